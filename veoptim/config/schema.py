@@ -1,0 +1,164 @@
+"""Structured run configuration: one dataclass per config group.
+
+Every field has a type, a default and a help text (``metadata["help"]``); the
+config reference in ``docs/config.md`` is generated from these dataclasses and
+a test keeps the two in sync. Hydra validates overrides against these types, so
+unknown keys and wrong types fail at startup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MISSING_PATH = ""  # "not set" for optional paths; OmegaConf has no Optional[str] default of None in lists
+
+
+def opt(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
+    """A dataclass field with a default and a help text."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class RunConfig:
+    dir: str = opt("runs/sft", "Run directory: resolved config, metrics.jsonl, checkpoints, exports.")
+    name: str = opt("sft", "Human-readable run name (used by wandb and the progress bar).")
+    device: str = opt("auto", "Compute device: auto | cpu | cuda | npu (auto = cuda if available, else cpu).")
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt("tiny_dense", "Label of the model preset (informational).")
+    path: str = opt("", "Local Hugging Face model directory to load instead of building from config.")
+    arch: str = opt("qwen2", "Architecture built from config: qwen2 | qwen2_moe | qwen3_moe.")
+    hidden_size: int = opt(64, "Hidden size of the built model.")
+    intermediate_size: int = opt(128, "MLP intermediate size (dense layers).")
+    num_hidden_layers: int = opt(2, "Number of decoder layers.")
+    num_attention_heads: int = opt(4, "Attention heads.")
+    num_key_value_heads: int = opt(2, "Key/value heads (grouped-query attention).")
+    max_position_embeddings: int = opt(512, "Longest position the model supports.")
+    num_experts: int = opt(0, "Experts per MoE layer (MoE architectures only).")
+    num_experts_per_tok: int = opt(2, "Experts each token is routed to (MoE only).")
+    moe_intermediate_size: int = opt(64, "Intermediate size of each expert (MoE only).")
+    dtype: str = opt("fp32", "Parameter dtype of the trained model: fp32 | bf16.")
+    tie_word_embeddings: bool = opt(False, "Share input embedding and LM head weights.")
+    init_seed: int = opt(1234, "Seed of the weight initialisation (independent of train.seed).")
+
+
+@dataclass
+class DataConfig:
+    train_path: str = opt("", "SFT JSONL file; empty = the bundled synthetic dataset.")
+    tokenizer_path: str = opt("", "Tokenizer directory (AutoTokenizer); empty = the bundled tokenizer.")
+    max_seq_len: int = opt(96, "Sequences are truncated (or packed) to this many tokens.")
+    packing: bool = opt(False, "Pack several examples into each sequence instead of padding.")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = opt(300, "Optimizer steps of the whole run (the LR schedule targets this).")
+    stop_at_step: int = opt(0, "Save and exit cleanly at this global step (0 = run to max_steps).")
+    global_batch_size: int = opt(16, "Sequences per optimizer step, summed over all ranks.")
+    micro_batch_size: int = opt(8, "Sequences per forward/backward on one rank.")
+    grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).")
+    seed: int = opt(0, "Seed of data order and RNG states.")
+
+
+@dataclass
+class ParamGroupConfig:
+    pattern: str = opt("", "Regex (re.search on full parameter names) selecting this group.")
+    lr: float = opt(-1.0, "Learning rate of the group (-1 = optim.lr).")
+    weight_decay: float = opt(-1.0, "Weight decay of the group (-1 = optim.weight_decay).")
+
+
+@dataclass
+class OptimConfig:
+    name: str = opt("adamw", "adamw | full_fp32_adamw | master_fp32_adamw | cpu_offload_adamw.")
+    lr: float = opt(3e-3, "Peak learning rate.")
+    betas: list[float] = opt([0.9, 0.999], "Adam betas (beta1, beta2).")
+    eps: float = opt(1e-8, "Adam epsilon.")
+    weight_decay: float = opt(0.0, "Decoupled weight decay (AdamW).")
+    no_decay_patterns: list[str] = opt(
+        ["bias$", "norm"], "Regexes of parameters that get no weight decay (norms, biases)."
+    )
+    param_groups: list[ParamGroupConfig] = opt([], "Extra param groups by regex, first match wins.")
+    fused: bool = opt(True, "adamw only: use torch's fused kernel where the device supports it.")
+    stochastic_rounding: bool = opt(False, "Write BF16 params from FP32 masters with stochastic rounding.")
+    moment_dtype: str = opt("fp32", "Moment dtype of the device-resident exact types: fp32 | bf16.")
+    cpu_offload_param_patterns: list[str] = opt(
+        [], "cpu_offload_adamw: regexes of parameters whose master and moments live in host memory."
+    )
+    cpu_moment_dtype: str = opt("fp32", "cpu_offload_adamw: moment dtype of offloaded groups.")
+    resident_moment_dtype: str = opt("fp32", "cpu_offload_adamw: moment dtype of resident groups.")
+    chunk_size: int = opt(1 << 20, "cpu_offload_adamw: elements per staging chunk.")
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = opt("cosine", "constant | linear | cosine | wsd (warmup-stable-decay).")
+    warmup_steps: int = opt(10, "Linear warmup steps from 0 to the peak LR.")
+    min_lr_ratio: float = opt(0.1, "Final LR as a fraction of the peak (linear, cosine, wsd).")
+    decay_ratio: float = opt(0.2, "wsd: fraction of max_steps spent in the final decay.")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = opt(1, "Replicated data-parallel degree (HSDP outer dim).")
+    dp_shard: int = opt(-1, "FSDP2 sharding degree; -1 fills the rest of the world size.")
+    ep: int = opt(1, "Expert-parallel degree (MoE); experts are split across ep ranks.")
+    param_dtype: str = opt("bf16", "FSDP2 MixedPrecisionPolicy compute dtype: bf16 | fp32.")
+    reduce_dtype: str = opt("fp32", "FSDP2 gradient reduce dtype: fp32 | bf16.")
+    backend: str = opt("auto", "Process-group backend: auto | gloo | nccl | hccl.")
+
+
+@dataclass
+class HFExportConfig:
+    enabled: bool = opt(True, "Write a Hugging Face export at the end of training.")
+    dtype: str = opt("bf16", "Export dtype: bf16 | fp32 | preserve.")
+    max_shard_size_mb: int = opt(2048, "Shard model.safetensors above this size (MiB).")
+
+
+@dataclass
+class CheckpointConfig:
+    root: str = opt("", "Checkpoint root; empty = <run.dir>/checkpoints.")
+    save_steps: int = opt(0, "Save every N optimizer steps (0 = off).")
+    save_epochs: int = opt(0, "Save every N epochs (0 = off).")
+    save_at_end: bool = opt(True, "Save when training ends (and at train.stop_at_step).")
+    keep_last: int = opt(0, "Keep only the newest N published checkpoints (0 = keep all).")
+    fsync: bool = opt(True, "fsync files and directories before publishing.")
+    async_save: bool = opt(False, "Save with dcp.async_save on a dedicated process group.")
+    resume: str = opt("", "'' = fresh run; auto = newest complete checkpoint; or a name/path.")
+    load_optimizer: bool = opt(True, "Restore optimizer and scheduler on resume (false = weights only).")
+    hf_export: HFExportConfig = field(default_factory=HFExportConfig)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = opt("disabled", "disabled | offline | online (online needs WANDB_API_KEY).")
+    project: str = opt("veoptim", "wandb project.")
+    entity: str = opt("", "wandb entity (team); empty = default.")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = opt(1, "Log metrics every N optimizer steps.")
+    progress: bool = opt(True, "Show a progress bar on rank 0.")
+    metrics_file: str = opt("metrics.jsonl", "Metrics JSONL file name inside run.dir.")
+    level: str = opt("INFO", "Log level of rank 0 (other ranks log warnings only).")
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class SFTConfig:
+    """Root config of ``python -m tasks.sft``."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,21 @@
+"""Typed errors. Each message says what was expected, what was found, and where."""
+
+
+class VeoptimError(Exception):
+    """Base class of every error veoptim raises on purpose."""
+
+
+class ConfigError(VeoptimError, ValueError):
+    """A configuration value is missing, unknown, of the wrong type or inconsistent."""
+
+
+class DataError(VeoptimError, ValueError):
+    """Training data is malformed (the message names the file and line)."""
+
+
+class CheckpointError(VeoptimError, RuntimeError):
+    """A checkpoint could not be written, published, read, validated or applied."""
+
+
+class DistributedError(VeoptimError, RuntimeError):
+    """The process group, device or parallel plan could not be set up."""
