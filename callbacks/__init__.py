@@ -1,0 +1,23 @@
+"""Trainer callbacks: progress, metrics/wandb, resolved config, checkpoints and exports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from callbacks.metrics import MetricsFileCallback, WandbCallback
+from callbacks.progress import ProgressCallback
+from callbacks.run_files import ResolvedConfigCallback
+from veoptim.config.schema import SFTConfig
+from veoptim.trainer import Callback
+
+
+def standard_callbacks(cfg: SFTConfig, resolved: dict[str, Any]) -> list[Callback]:
+    """The callbacks every task uses, in hook order: run files, checkpoints, metrics, progress."""
+    callbacks: list[Callback] = [ResolvedConfigCallback(resolved)]
+    callbacks += [MetricsFileCallback(cfg.logging), WandbCallback(cfg.logging, resolved)]
+    if cfg.logging.progress:
+        callbacks.append(ProgressCallback())
+    return callbacks
+
+
+__all__ = ["standard_callbacks"]

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-MISSING_PATH = ""  # "not set" for optional paths; OmegaConf has no Optional[str] default of None in lists
+MISSING_PATH = (
+    ""  # "not set" for optional paths; OmegaConf has no Optional[str] default of None in lists
+)
 
 
 def opt(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
@@ -23,15 +25,21 @@ def opt(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
 
 @dataclass
 class RunConfig:
-    dir: str = opt("runs/sft", "Run directory: resolved config, metrics.jsonl, checkpoints, exports.")
+    dir: str = opt(
+        "runs/sft", "Run directory: resolved config, metrics.jsonl, checkpoints, exports."
+    )
     name: str = opt("sft", "Human-readable run name (used by wandb and the progress bar).")
-    device: str = opt("auto", "Compute device: auto | cpu | cuda | npu (auto = cuda if available, else cpu).")
+    device: str = opt(
+        "auto", "Compute device: auto | cpu | cuda | npu (auto = cuda if available, else cpu)."
+    )
 
 
 @dataclass
 class ModelConfig:
     name: str = opt("tiny_dense", "Label of the model preset (informational).")
-    path: str = opt("", "Local Hugging Face model directory to load instead of building from config.")
+    path: str = opt(
+        "", "Local Hugging Face model directory to load instead of building from config."
+    )
     arch: str = opt("qwen2", "Architecture built from config: qwen2 | qwen2_moe | qwen3_moe.")
     hidden_size: int = opt(64, "Hidden size of the built model.")
     intermediate_size: int = opt(128, "MLP intermediate size (dense layers).")
@@ -50,7 +58,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_path: str = opt("", "SFT JSONL file; empty = the bundled synthetic dataset.")
-    tokenizer_path: str = opt("", "Tokenizer directory (AutoTokenizer); empty = the bundled tokenizer.")
+    tokenizer_path: str = opt(
+        "", "Tokenizer directory (AutoTokenizer); empty = the bundled tokenizer."
+    )
     max_seq_len: int = opt(96, "Sequences are truncated (or packed) to this many tokens.")
     packing: bool = opt(False, "Pack several examples into each sequence instead of padding.")
 
@@ -84,7 +94,9 @@ class OptimConfig:
     )
     param_groups: list[ParamGroupConfig] = opt([], "Extra param groups by regex, first match wins.")
     fused: bool = opt(True, "adamw only: use torch's fused kernel where the device supports it.")
-    stochastic_rounding: bool = opt(False, "Write BF16 params from FP32 masters with stochastic rounding.")
+    stochastic_rounding: bool = opt(
+        False, "Write BF16 params from FP32 masters with stochastic rounding."
+    )
     moment_dtype: str = opt("fp32", "Moment dtype of the device-resident exact types: fp32 | bf16.")
     cpu_offload_param_patterns: list[str] = opt(
         [], "cpu_offload_adamw: regexes of parameters whose master and moments live in host memory."
@@ -129,7 +141,9 @@ class CheckpointConfig:
     fsync: bool = opt(True, "fsync files and directories before publishing.")
     async_save: bool = opt(False, "Save with dcp.async_save on a dedicated process group.")
     resume: str = opt("", "'' = fresh run; auto = newest complete checkpoint; or a name/path.")
-    load_optimizer: bool = opt(True, "Restore optimizer and scheduler on resume (false = weights only).")
+    load_optimizer: bool = opt(
+        True, "Restore optimizer and scheduler on resume (false = weights only)."
+    )
     hf_export: HFExportConfig = field(default_factory=HFExportConfig)
 
 

@@ -1,0 +1,43 @@
+# The two commands a newcomer runs (each creates .venv on first use):
+#   make demo   - set up, then a short SFT run of the bundled tiny model on CPU
+#   make test   - set up, then lint and the whole test suite on CPU
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export WANDB_MODE ?= disabled
+
+.PHONY: setup demo test lint format docs bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) -m tasks.sft
+
+test: setup lint
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+docs: setup
+	$(PY) scripts/gen_config_docs.py > docs/config.md
+
+bench: setup
+	$(PY) scripts/bench/trainer_overhead.py
+	$(PY) scripts/bench/optimizer_step.py
+	$(PY) scripts/bench/checkpoint_io.py
+
+clean:
+	rm -rf runs outputs multirun .pytest_cache

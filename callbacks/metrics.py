@@ -1,0 +1,75 @@
+"""Metrics sinks: ``<run.dir>/metrics.jsonl`` (always) and wandb (when enabled); rank 0 only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from veoptim.config.schema import LoggingConfig
+from veoptim.trainer import Callback, Metrics, Trainer
+
+#: Keys every metrics.jsonl record carries (tests check the schema).
+METRIC_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
+
+
+def _should_log(cfg: LoggingConfig, trainer: Trainer, metrics: Metrics) -> bool:
+    step = metrics["step"]
+    return step % cfg.log_every == 0 or step == trainer.last_step
+
+
+class MetricsFileCallback(Callback):
+    """Appends one JSON object per logged step; a resumed run appends to the same file."""
+
+    def __init__(self, cfg: LoggingConfig) -> None:
+        self.cfg = cfg
+        self.path: Path | None = None
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        if trainer.ctx.is_main:
+            trainer.run_dir.mkdir(parents=True, exist_ok=True)
+            self.path = trainer.run_dir / self.cfg.metrics_file
+
+    def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None:
+        if self.path is None or not _should_log(self.cfg, trainer, metrics):
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+
+
+class WandbCallback(Callback):
+    """Logs metrics and the resolved config to wandb (``logging.wandb.mode``)."""
+
+    def __init__(self, cfg: LoggingConfig, config: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.config = config
+        self.run = None
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        if not trainer.ctx.is_main or self.cfg.wandb.mode == "disabled":
+            return
+        import wandb  # imported lazily: it is slow to import and optional at run time
+
+        self.run = wandb.init(
+            project=self.cfg.wandb.project,
+            entity=self.cfg.wandb.entity or None,
+            name=trainer.cfg.run.name,
+            dir=str(trainer.run_dir),
+            mode=self.cfg.wandb.mode,
+            config=self.config,
+        )
+
+    def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None:
+        if self.run is not None and _should_log(self.cfg, trainer, metrics):
+            self.run.log(metrics, step=metrics["step"])
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        self._finish(0)
+
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        self._finish(1)
+
+    def _finish(self, exit_code: int) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=exit_code)
+            self.run = None

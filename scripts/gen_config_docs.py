@@ -1,0 +1,59 @@
+"""Print the config reference (docs/config.md) generated from the structured-config dataclasses.
+
+A test regenerates it and compares with the committed file, so the reference
+never drifts from the code: run `make docs` after changing a field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from veoptim.config import schema
+
+HEADER = """# Config reference
+
+Generated from `veoptim/config/schema.py` by `scripts/gen_config_docs.py`
+(`make docs`); a test fails when this page and the dataclasses disagree.
+Override any key on the command line: `python -m tasks.sft optim.lr=1e-4`.
+Choose a config group file with `group=name` (e.g. `optim=master_fp32_adamw`,
+`model=tiny_moe`, `parallel=fsdp`, `scheduler=wsd`); the files live under
+`configs/<group>/`.
+"""
+
+
+def _type_name(tp: object) -> str:
+    text = getattr(tp, "__name__", None) or str(tp)
+    return str(tp) if "[" in str(tp) else text
+
+
+def _rows(cls: type, prefix: str) -> list[str]:
+    rows: list[str] = []
+    hints = typing.get_type_hints(cls, vars(schema))
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            rows += _rows(tp, key + ".")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
+            default = [dataclasses.asdict(d) for d in default]
+        help_text = f.metadata.get("help", "").replace("|", "\\|")
+        rows.append(f"| `{key}` | `{_type_name(tp)}` | `{default!r}` | {help_text} |")
+    return rows
+
+
+def render() -> str:
+    out = [HEADER]
+    hints = typing.get_type_hints(schema.SFTConfig, vars(schema))
+    for f in dataclasses.fields(schema.SFTConfig):
+        out.append(f"\n## `{f.name}`\n")
+        out.append("| key | type | default | meaning |")
+        out.append("| --- | --- | --- | --- |")
+        out += _rows(hints[f.name], f"{f.name}.")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,59 @@
+"""Config composition, schema validation and the generated reference."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from scripts.gen_config_docs import render
+from tests.conftest import REPO, compose_sft
+from veoptim.config import SFTConfig, to_sft_config
+from veoptim.errors import ConfigError
+
+
+def test_default_config_composes_to_typed_dataclass():
+    cfg = to_sft_config(compose_sft())
+    assert isinstance(cfg, SFTConfig)
+    assert cfg.model.arch == "qwen2" and cfg.optim.name == "adamw"
+    assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
+
+
+def test_group_selection_and_overrides():
+    cfg = to_sft_config(compose_sft(["model=tiny_moe", "optim.lr=1e-4", "train.seed=7"]))
+    assert cfg.model.arch == "qwen3_moe" and cfg.model.num_experts == 4
+    assert cfg.optim.lr == 1e-4 and cfg.train.seed == 7
+
+
+def test_unknown_key_fails_naming_the_key():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_sft(["optim.lrr=1e-4"])
+    assert "lrr" in str(info.value.__cause__ or info.value)
+
+
+def test_wrong_type_fails_naming_the_key():
+    with pytest.raises((ConfigCompositionException, ValidationError)) as info:
+        compose_sft(["train.max_steps=many"])
+    assert "max_steps" in str(info.value.__cause__ or info.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("model.dtype=fp16", "model.dtype"),
+        ("run.device=tpu", "run.device"),
+        ("train.micro_batch_size=3", "train.global_batch_size"),
+        ("train.stop_at_step=10000", "train.stop_at_step"),
+        ("scheduler.name=step", "scheduler.name"),
+        ("optim.betas=[0.9]", "optim.betas"),
+        ("train.max_steps=0", "train.max_steps"),
+    ],
+)
+def test_semantic_errors_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        to_sft_config(compose_sft([override]))
+
+
+def test_config_reference_is_in_sync_with_dataclasses():
+    committed = (REPO / "docs" / "config.md").read_text()
+    assert committed == render(), "docs/config.md is stale: run `make docs`"

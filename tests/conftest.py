@@ -1,0 +1,41 @@
+"""Shared fixtures: composing configs exactly as `python -m tasks.sft` does, offline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from veoptim.config import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "configs"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+def compose_sft(overrides: list[str] | None = None) -> DictConfig:
+    """Compose ``configs/sft.yaml`` with overrides (the same schema validation as the CLI)."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="sft", overrides=overrides or [])
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path: Path) -> list[str]:
+    """A few-step CPU run in a temporary run dir, without progress bar."""
+    return [
+        f"run.dir={tmp_path / 'run'}",
+        "run.device=cpu",
+        "train.max_steps=4",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "scheduler.warmup_steps=1",
+        "logging.progress=false",
+        "checkpoint.hf_export.enabled=false",
+    ]

@@ -1,0 +1,32 @@
+"""Trainer progress: the counters a checkpoint saves so a resumed run continues exactly."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from veoptim.errors import CheckpointError
+
+PROGRESS_KEYS = ("global_step", "epoch", "tokens_seen")
+
+
+@dataclass
+class TrainerProgress:
+    """Real optimizer steps taken, current epoch and non-padding tokens consumed (global)."""
+
+    global_step: int = 0
+    epoch: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if set(state) != set(PROGRESS_KEYS) or not all(
+            isinstance(state[k], int) and state[k] >= 0 for k in PROGRESS_KEYS
+        ):
+            raise CheckpointError(
+                f"trainer progress must have non-negative integer keys {list(PROGRESS_KEYS)}, "
+                f"found {state!r}."
+            )
+        for key in PROGRESS_KEYS:
+            setattr(self, key, state[key])
