@@ -6,13 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from veoptim.config import register_configs
+from tasks.compose import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO / "configs"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -21,9 +19,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 def compose_sft(overrides: list[str] | None = None) -> DictConfig:
     """Compose ``configs/sft.yaml`` with overrides (the same schema validation as the CLI)."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="sft", overrides=overrides or [])
+    return compose_config("sft", overrides)
 
 
 @pytest.fixture

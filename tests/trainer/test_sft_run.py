@@ -1,0 +1,159 @@
+"""End-to-end SFT runs of the bundled tiny model on CPU, through the real entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from callbacks.metrics import METRIC_KEYS
+from tasks.runner import run_sft
+from tests.conftest import REPO, compose_sft
+from veoptim.config import to_sft_config
+from veoptim.distributed import init_distributed
+from veoptim.trainer import Callback, Trainer
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_loss_falls(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_sft(
+        compose_sft(
+            [
+                f"run.dir={run_dir}",
+                "run.device=cpu",
+                "train.max_steps=40",
+                "logging.progress=false",
+                "checkpoint.hf_export.enabled=false",
+            ]
+        )
+    )
+    assert result["final_loss"] < 0.6 * result["first_loss"], result
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 41))
+
+
+def test_metrics_jsonl_schema_and_resolved_config(tiny_overrides, tmp_path):
+    run_sft(compose_sft(tiny_overrides + ["logging.log_every=2"]))
+    run_dir = tmp_path / "run"
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == [2, 4]
+    for record in records:
+        assert set(METRIC_KEYS) <= set(record)
+        assert all(isinstance(record[k], (int, float)) for k in METRIC_KEYS)
+        assert record["loss"] > 0 and record["tokens_per_s"] > 0 and record["lr"] >= 0
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["train"]["max_steps"] == 4 and saved["run"]["dir"] == str(run_dir)
+
+
+class HookRecorder(Callback):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            calls = object.__getattribute__(self, "calls")
+            return lambda *args: calls.append(name)
+        return object.__getattribute__(self, name)
+
+
+def _trainer(overrides: list[str], callbacks=()) -> Trainer:
+    cfg = to_sft_config(compose_sft(overrides))
+    ctx = init_distributed("cpu", "auto", {})
+    return Trainer.from_config(cfg, ctx, list(callbacks))
+
+
+def test_hooks_called_in_order_with_epochs(tiny_overrides):
+    recorder = HookRecorder()
+    trainer = _trainer(tiny_overrides, [recorder])
+    steps_per_epoch = trainer.sampler.steps_per_epoch
+    trainer.cfg.train.max_steps = steps_per_epoch + 1
+    trainer.train()
+    calls = recorder.calls
+    assert calls[0] == "on_train_begin" and calls[-1] == "on_train_end"
+    assert calls.count("on_step_end") == steps_per_epoch + 1
+    assert calls.count("on_epoch_begin") == 2 and calls.count("on_epoch_end") == 1
+    assert trainer.progress.epoch == 1
+
+
+class MetricsRecorder(Callback):
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def on_step_end(self, trainer, metrics) -> None:
+        self.records.append(metrics)
+
+
+def test_stop_at_step_stops_early_but_schedule_targets_max_steps(tiny_overrides):
+    sliced, full = MetricsRecorder(), MetricsRecorder()
+    trainer = _trainer(tiny_overrides + ["train.max_steps=10", "train.stop_at_step=3"], [sliced])
+    assert trainer.train().global_step == 3
+    _trainer(tiny_overrides + ["train.max_steps=10"], [full]).train()
+    assert len(full.records) == 10
+    # The sliced run is an exact prefix of the full run: same LR curve, same data, same losses.
+    assert sliced.records[-1]["lr"] == full.records[2]["lr"]
+    assert [r["loss"] for r in sliced.records] == [r["loss"] for r in full.records[:3]]
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tiny_overrides):
+    """Loss is normalised over the global batch, so accumulation does not change the update."""
+    base = tiny_overrides + ["train.global_batch_size=8", "train.max_steps=2", "optim.fused=false"]
+    one = _trainer(base + ["train.micro_batch_size=8"])
+    four = _trainer(base + ["train.micro_batch_size=2"])
+    losses_one = [one.train_step()["loss"] for _ in range(2)]
+    losses_four = [four.train_step()["loss"] for _ in range(2)]
+    assert losses_one == pytest.approx(losses_four, rel=1e-5)
+    for a, b in zip(one.model.parameters(), four.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "tasks.sft", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_multirun_sweep_writes_one_run_per_value_inside_run_dir(tmp_path):
+    run_dir = tmp_path / "sweep"
+    proc = _cli(
+        [
+            "-m",
+            "optim.lr=1e-3,2e-3",
+            f"run.dir={run_dir}",
+            "run.device=cpu",
+            "train.max_steps=2",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=4",
+            "logging.progress=false",
+            "checkpoint.hf_export.enabled=false",
+        ],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lrs = []
+    for job in ("0", "1"):
+        assert len(_metrics(run_dir / job)) == 2
+        lrs.append(yaml.safe_load((run_dir / job / "config.yaml").read_text())["optim"]["lr"])
+    assert lrs == [1e-3, 2e-3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"], "Hydra wrote outside run.dir"
+
+
+def test_cli_bad_override_fails_with_one_clear_message(tmp_path):
+    proc = _cli([f"run.dir={tmp_path / 'r'}", "train.micro_batch_size=3"], cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "train.global_batch_size" in proc.stderr and "Traceback" not in proc.stderr
