@@ -1,0 +1,228 @@
+"""The manifest: the last file of a version, listing every other file with its size.
+
+Checksums: files up to ``CHECKSUM_MAX_BYTES`` get a SHA-256 (metadata, JSON state,
+scheduler/RNG files, small adapters: reading them back costs nothing measurable). Larger
+files (multi-GB DCP shards, safetensors) get their size only: hashing them would re-read
+every byte the save just wrote and roughly double the save's I/O time, while their
+integrity inside is covered by the loader's validation (DCP metadata, tensor shapes). The
+manifest is written through a temporary file and ``os.replace``, so it is either absent or
+whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from veoptim.checkpoint.layout import MANIFEST_FILE, MANIFEST_TEMP_FILE, manifest_path
+from veoptim.checkpoint.layout import manifest_temp_path as _manifest_temp_path
+from veoptim.errors import CheckpointError
+
+MANIFEST_FORMAT = "veoptim.checkpoint.manifest"
+MANIFEST_FORMAT_VERSION = 1
+CHECKSUM_ALGORITHM = "sha256"
+CHECKSUM_MAX_BYTES = 16 * 1024 * 1024
+KIND_CHECKPOINT = "checkpoint"
+_READ_CHUNK = 1024 * 1024
+_IGNORED = frozenset({MANIFEST_FILE, MANIFEST_TEMP_FILE})
+
+KEY_FORMAT = "format"
+KEY_FORMAT_VERSION = "format_version"
+KEY_NAME = "name"
+KEY_KIND = "kind"
+KEY_STEP = "step"
+KEY_CREATED_NS = "created_ns"
+KEY_WORLD_SIZE = "world_size"
+KEY_METADATA = "metadata"
+KEY_FILES = "files"
+KEY_SIZE = "size"
+KEY_PRUNABLE = "prunable"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a version holds. ``name`` is the name the version was first published under."""
+
+    name: str
+    kind: str
+    step: int | None
+    created_ns: int
+    world_size: int
+    files: dict[str, FileEntry]
+    prunable: bool = True
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        files = {}
+        for rel, entry in sorted(self.files.items()):
+            files[rel] = {KEY_SIZE: entry.size}
+            if entry.sha256 is not None:
+                files[rel][CHECKSUM_ALGORITHM] = entry.sha256
+        return {
+            KEY_FORMAT: MANIFEST_FORMAT,
+            KEY_FORMAT_VERSION: MANIFEST_FORMAT_VERSION,
+            KEY_NAME: self.name,
+            KEY_KIND: self.kind,
+            KEY_STEP: self.step,
+            KEY_CREATED_NS: self.created_ns,
+            KEY_WORLD_SIZE: self.world_size,
+            KEY_PRUNABLE: self.prunable,
+            KEY_METADATA: self.metadata,
+            KEY_FILES: files,
+        }
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_relpath(rel: str, where: Path) -> None:
+    p = PurePosixPath(rel)
+    if not rel or p.is_absolute() or ".." in p.parts or str(p) != rel:
+        raise CheckpointError(f"Manifest {where} lists an unsafe file path {rel!r}.")
+
+
+def scan_files(version: Path) -> dict[str, int]:
+    """Relative POSIX path -> size of every regular file under ``version`` (manifest excluded).
+
+    A symlink or special file inside a version is an error: a version must be self-contained.
+    """
+    found: dict[str, int] = {}
+    for dirpath, dirnames, filenames in os.walk(version):
+        for entry in dirnames + filenames:
+            full = Path(dirpath, entry)
+            st = full.lstat()
+            if os.path.islink(full) or not (full.is_dir() or full.is_file()):
+                raise CheckpointError(
+                    f"Checkpoint version {version} must hold only regular files and "
+                    f"directories, found {full}."
+                )
+            if entry in filenames:
+                rel = full.relative_to(version).as_posix()
+                if rel not in _IGNORED:
+                    found[rel] = st.st_size
+    return found
+
+
+def build_manifest(
+    version: Path,
+    *,
+    name: str,
+    kind: str,
+    step: int | None,
+    world_size: int,
+    prunable: bool = True,
+    metadata: dict[str, Any] | None = None,
+) -> Manifest:
+    """Describe every file now in ``version`` (sizes; SHA-256 of small files)."""
+    files = {}
+    for rel, size in sorted(scan_files(version).items()):
+        digest = _sha256(version / rel) if size <= CHECKSUM_MAX_BYTES else None
+        files[rel] = FileEntry(size=size, sha256=digest)
+    return Manifest(
+        name=name,
+        kind=kind,
+        step=step,
+        created_ns=time.time_ns(),
+        world_size=world_size,
+        files=files,
+        prunable=prunable,
+        metadata=dict(metadata or {}),
+    )
+
+
+def write_manifest(version: Path, manifest: Manifest, *, fsync: bool) -> Path:
+    """Write the manifest atomically (temp file, optional fsync, ``os.replace``)."""
+    tmp, final = _manifest_temp_path(version), manifest_path(version)
+    data = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode()
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return final
+
+
+def _parse(raw: Any, where: Path) -> Manifest:
+    if not isinstance(raw, dict) or raw.get(KEY_FORMAT) != MANIFEST_FORMAT:
+        raise CheckpointError(f"{where} is not a veoptim checkpoint manifest.")
+    if raw.get(KEY_FORMAT_VERSION) != MANIFEST_FORMAT_VERSION:
+        raise CheckpointError(
+            f"Manifest {where} has format version {raw.get(KEY_FORMAT_VERSION)!r}, this "
+            f"veoptim reads version {MANIFEST_FORMAT_VERSION}; use a matching veoptim release."
+        )
+    try:
+        files = {}
+        for rel, entry in raw[KEY_FILES].items():
+            _check_relpath(rel, where)
+            files[rel] = FileEntry(size=int(entry[KEY_SIZE]), sha256=entry.get(CHECKSUM_ALGORITHM))
+        step = raw[KEY_STEP]
+        return Manifest(
+            name=str(raw[KEY_NAME]),
+            kind=str(raw[KEY_KIND]),
+            step=None if step is None else int(step),
+            created_ns=int(raw[KEY_CREATED_NS]),
+            world_size=int(raw[KEY_WORLD_SIZE]),
+            files=files,
+            prunable=bool(raw[KEY_PRUNABLE]),
+            metadata=dict(raw.get(KEY_METADATA) or {}),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"Manifest {where} is malformed: {exc!r}.") from exc
+
+
+def read_manifest(version: Path) -> Manifest:
+    """Parse ``version``'s manifest; a missing or unknown manifest is a ``CheckpointError``."""
+    path = manifest_path(version)
+    try:
+        raw = json.loads(path.read_bytes())
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"Checkpoint {version} is incomplete: {MANIFEST_FILE} is missing (the save "
+            f"did not finish)."
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"Cannot read manifest {path}: {exc}.") from exc
+    return _parse(raw, path)
+
+
+def verify(version: Path, manifest: Manifest, *, checksums: bool = True) -> None:
+    """Raise ``CheckpointError`` unless the files in ``version`` match ``manifest`` exactly."""
+    try:
+        found = scan_files(version)
+    except OSError as exc:
+        raise CheckpointError(f"Cannot list checkpoint {version}: {exc}.") from exc
+    missing = sorted(set(manifest.files) - set(found))
+    extra = sorted(set(found) - set(manifest.files))
+    if missing or extra:
+        raise CheckpointError(
+            f"Checkpoint {version} does not match its manifest: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}."
+        )
+    for rel, entry in manifest.files.items():
+        if found[rel] != entry.size:
+            raise CheckpointError(
+                f"Checkpoint file {version / rel} has {found[rel]} bytes, its manifest "
+                f"says {entry.size}."
+            )
+        if checksums and entry.sha256 is not None and _sha256(version / rel) != entry.sha256:
+            raise CheckpointError(
+                f"Checkpoint file {version / rel} does not match its {CHECKSUM_ALGORITHM} "
+                f"in the manifest (corrupted or modified)."
+            )
