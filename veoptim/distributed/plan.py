@@ -1,0 +1,183 @@
+"""The parallel plan: FSDP2 x expert parallelism applied to a model, from config.
+
+Gradient contract: the trainer backpropagates, per micro-batch,
+``sum of token losses / global number of loss tokens`` (the count all-reduced
+over the whole global batch). The plan makes every gradient reduction a SUM
+(FSDP2 divide factor 1), so the resulting gradients equal the single-process
+gradients of the global mean loss. Expert gradients are complete on their
+owning ep rank (the all-to-all backward brings every token's contribution home)
+and then summed over ``efsdp`` (and ``dp_replicate``) by FSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from veoptim.config.schema import ParallelConfig
+from veoptim.distributed.context import DistContext
+from veoptim.distributed.expert_parallel import TokenDispatcher
+from veoptim.distributed.grad_norm import clip_grad_norm_
+from veoptim.distributed.layout import MESH_DIM_NAMES, LayoutMetadata, contiguous_expert_placement
+from veoptim.distributed.mesh import ParallelMeshes, build_meshes
+from veoptim.distributed.sizes import ParallelSizes, resolve_parallel_sizes
+from veoptim.errors import ConfigError, DistributedError
+from veoptim.models.build import DTYPES
+from veoptim.models.experts import ExpertParallelExperts, find_fused_experts
+
+GRADIENT_DIVIDE_FACTOR = 1.0  # SUM: the loss is already normalised by the global token count
+
+
+def _dtype(name: str, key: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"{key} must be one of {sorted(DTYPES)}, got {name!r}.")
+    return DTYPES[name]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers causal LM (``model.model.layers``)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise DistributedError(
+            f"the parallel plan expects a transformers causal LM with decoder layers at model.model.layers; "
+            f"found {type(model).__name__} without them."
+        )
+    return layers
+
+
+@dataclass
+class ParallelPlan:
+    """Sizes, meshes and the operations that depend on them; build with :func:`build_parallel_plan`."""
+
+    sizes: ParallelSizes
+    ctx: DistContext
+    num_experts: int
+    mp_policy: MixedPrecisionPolicy
+    meshes: ParallelMeshes | None  # None in a single process
+
+    # ---- data-parallel coordinates -------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        """Number of distinct data shards: every rank of the world reads its own."""
+        return self.sizes.world
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data shard, in (dp_replicate, efsdp, ep) mesh order."""
+        if self.meshes is None:
+            return 0
+        return self.meshes.dp.get_local_rank()
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    # ---- applying the plan ---------------------------------------------------------
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to the device, split experts over ``ep``, shard with FSDP2 (in place).
+
+        In a single process the model is only moved to the device.
+        """
+        model.to(self.device)
+        if self.meshes is None:
+            return model
+        layers = decoder_layers(model)
+        experts = find_fused_experts(model)
+        if self.sizes.ep > 1:
+            if not experts:
+                raise DistributedError(f"parallel.ep={self.sizes.ep} but the model has no fused MoE experts modules.")
+            self._apply_expert_parallel(model, experts)
+        fsdp_modules: list[FSDPModule] = []
+        for layer in layers:
+            if self.sizes.ep > 1:
+                for _, _, ep_experts in find_fused_experts(layer):
+                    fsdp_modules.append(self._shard_experts(ep_experts))
+            fsdp_modules.append(fully_shard(layer, mesh=self.meshes.dense_fsdp, mp_policy=self.mp_policy))
+        fsdp_modules.append(fully_shard(model, mesh=self.meshes.dense_fsdp, mp_policy=self.mp_policy))
+        for module in fsdp_modules:
+            module.set_gradient_divide_factor(GRADIENT_DIVIDE_FACTOR)
+            module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def _apply_expert_parallel(self, model: nn.Module, experts: list[tuple[nn.Module, str, nn.Module]]) -> None:
+        assert self.meshes is not None
+        group = self.meshes.ep.get_group()
+        for parent, attr, module in experts:
+            if module.gate_up_proj.shape[0] != self.num_experts:
+                raise DistributedError(
+                    f"build_parallel_plan was given num_experts={self.num_experts}, but "
+                    f"{type(parent).__name__}.{attr} has {module.gate_up_proj.shape[0]} experts."
+                )
+            dispatcher = TokenDispatcher(group, self.num_experts)
+            setattr(parent, attr, ExpertParallelExperts(module, dispatcher, self.meshes.ep))
+
+    def _shard_experts(self, module: nn.Module) -> FSDPModule:
+        """FSDP over efsdp: dim 0 (experts) when it divides evenly, else dim 1."""
+        assert self.meshes is not None
+        efsdp, num_local = self.sizes.efsdp, self.num_experts // self.sizes.ep
+
+        def placement(param: nn.Parameter) -> Shard:
+            if num_local % efsdp == 0:
+                return Shard(0)
+            if param.shape[1] % efsdp == 0:
+                return Shard(1)
+            raise ConfigError(
+                f"expert parameter of shape {tuple(param.shape)} cannot be sharded evenly over efsdp={efsdp}: "
+                f"neither the {num_local} local experts nor dim 1 ({param.shape[1]}) divide; choose another ep."
+            )
+
+        return fully_shard(
+            module, mesh=self.meshes.expert_fsdp, mp_policy=self.mp_policy, shard_placement_fn=placement
+        )
+
+    # ---- collectives the trainer needs ---------------------------------------------
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over all ranks (token counts, logged losses); returns a new tensor."""
+        out = x.detach().clone()
+        if self.meshes is not None:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.meshes.dp.get_group())
+        return out
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm over every mesh; returns the norm before clipping."""
+        return clip_grad_norm_(model.parameters(), max_norm)
+
+    def layout_metadata(self) -> LayoutMetadata:
+        """What checkpoints record about this layout."""
+        s = self.sizes
+        return LayoutMetadata(
+            mesh_dim_names=MESH_DIM_NAMES,
+            mesh_dim_sizes=(s.dp_replicate, s.efsdp, s.ep),
+            world_size=s.world,
+            ep_size=s.ep,
+            num_experts=self.num_experts,
+            expert_placement=contiguous_expert_placement(self.num_experts, s.ep),
+        )
+
+    def describe(self) -> str:
+        s = self.sizes
+        return (
+            f"world={s.world} dp_replicate={s.dp_replicate} dp_shard={s.dp_shard} "
+            f"(efsdp={s.efsdp} x ep={s.ep}) param_dtype={self.mp_policy.param_dtype} "
+            f"reduce_dtype={self.mp_policy.reduce_dtype}"
+        )
+
+
+def build_parallel_plan(cfg: ParallelConfig, ctx: DistContext, num_experts: int) -> ParallelPlan:
+    """Validate ``cfg`` against the world size and model, and build the mesh (only when world > 1).
+
+    ``num_experts`` is the model's experts per MoE layer (0 for dense models).
+    """
+    sizes = resolve_parallel_sizes(cfg, ctx.world_size, num_experts)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=_dtype(cfg.param_dtype, "parallel.param_dtype"),
+        reduce_dtype=_dtype(cfg.reduce_dtype, "parallel.reduce_dtype"),
+    )
+    meshes = build_meshes(ctx.device.type, sizes) if ctx.world_size > 1 else None
+    return ParallelPlan(sizes=sizes, ctx=ctx, num_experts=num_experts, mp_policy=mp_policy, meshes=meshes)
