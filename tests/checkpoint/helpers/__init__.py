@@ -1,0 +1,1 @@
+"""Subprocess scripts and shared payload helpers of the checkpoint publication tests."""
