@@ -58,24 +58,34 @@ def _int_env(env: Mapping[str, str], key: str, default: int | None = None) -> in
     raw = env.get(key)
     if raw is None:
         if default is None:
-            raise DistributedError(f"environment variable {key} is required under a multi-process launch but unset.")
+            raise DistributedError(
+                f"environment variable {key} is required under a multi-process launch but unset."
+            )
         return default
     try:
         return int(raw)
     except ValueError as exc:
-        raise DistributedError(f"environment variable {key} must be an integer, got {raw!r}.") from exc
+        raise DistributedError(
+            f"environment variable {key} must be an integer, got {raw!r}."
+        ) from exc
 
 
-def _create_store(env: Mapping[str, str], rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+def _create_store(
+    env: Mapping[str, str], rank: int, world_size: int, timeout: timedelta
+) -> dist.Store:
     """The rendezvous store, as torch's ``env://`` would build it, but from ``env``."""
     addr = env.get(ENV_MASTER_ADDR)
     if not addr:
-        raise DistributedError(f"environment variable {ENV_MASTER_ADDR} is required when WORLD_SIZE > 1; launch with torchrun.")
+        raise DistributedError(
+            f"environment variable {ENV_MASTER_ADDR} is required when WORLD_SIZE > 1; launch with torchrun."
+        )
     port = _int_env(env, ENV_MASTER_PORT)
     use_agent_store = env.get(ENV_USE_AGENT_STORE, "").lower() == "true"
     if use_agent_store:
         return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.TCPStore(
+        addr, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
+    )
 
 
 def init_distributed(
@@ -105,7 +115,9 @@ def init_distributed(
                 f"a default process group already exists with rank {dist.get_rank()}/{dist.get_world_size()}, "
                 f"but the environment says rank {rank}/{world_size}."
             )
-        return DistContext(rank, world_size, local_rank, local, backend_name, owns_process_group=False)
+        return DistContext(
+            rank, world_size, local_rank, local, backend_name, owns_process_group=False
+        )
     store = _create_store(env, rank, world_size, timeout)
     dist.init_process_group(
         backend=backend_name,

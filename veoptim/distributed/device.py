@@ -40,11 +40,15 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise DistributedError("run.device=cuda was requested but torch.cuda.is_available() is False.")
+        raise DistributedError(
+            "run.device=cuda was requested but torch.cuda.is_available() is False."
+        )
     if name == "npu":
         _import_torch_npu()
         if not torch.npu.is_available():  # type: ignore[attr-defined]
-            raise DistributedError("run.device=npu was requested but torch.npu.is_available() is False.")
+            raise DistributedError(
+                "run.device=npu was requested but torch.npu.is_available() is False."
+            )
     return torch.device(name)
 
 

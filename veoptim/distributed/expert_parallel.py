@@ -20,7 +20,9 @@ class _AllToAll(torch.autograd.Function):
     """Differentiable ``all_to_all_single`` with uneven splits along dim 0."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup):  # type: ignore[override]
+    def forward(
+        ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+    ):  # type: ignore[override]
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
@@ -29,11 +31,15 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         grad_in = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        dist.all_to_all_single(
+            grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group
+        )
         return grad_in, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Send ``in_splits[j]`` rows of ``x`` to rank ``j``; receive ``out_splits[j]`` rows from it."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
@@ -47,7 +53,9 @@ class DispatchState:
     unsort: torch.Tensor  # inverse of the expert-sorted order of (token, k) pairs
     send_splits: list[int]
     recv_splits: list[int]
-    ungroup: torch.Tensor  # inverse of the (source rank, expert) -> (expert, source rank) regrouping
+    ungroup: (
+        torch.Tensor
+    )  # inverse of the (source rank, expert) -> (expert, source rank) regrouping
 
 
 class TokenDispatcher:
@@ -58,7 +66,9 @@ class TokenDispatcher:
         self.ep = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         if num_experts % self.ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the ep group size {self.ep}.")
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the ep group size {self.ep}."
+            )
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
 
@@ -84,7 +94,9 @@ class TokenDispatcher:
         num_valid = int(counts.sum())
         send_rows = hidden[order[:num_valid] // top_k]
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)  # [ep * num_local] from each source
+        dist.all_to_all_single(
+            recv_counts, counts, group=self.group
+        )  # [ep * num_local] from each source
         recv_counts = recv_counts.view(self.ep, self.num_local)
         send_splits = counts.view(self.ep, self.num_local).sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
@@ -105,7 +117,9 @@ class TokenDispatcher:
 
     def combine(self, expert_out: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Return computed rows to their home ranks: ``[T * K, H]`` in (token, k) order (dropped pairs are 0)."""
-        back = all_to_all(expert_out[state.ungroup], state.send_splits, state.recv_splits, self.group)
+        back = all_to_all(
+            expert_out[state.ungroup], state.send_splits, state.recv_splits, self.group
+        )
         dropped = state.num_pairs - state.num_valid
         if dropped:
             back = torch.cat([back, back.new_zeros((dropped, *back.shape[1:]))])

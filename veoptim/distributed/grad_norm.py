@@ -34,7 +34,9 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.
         return torch.tensor(0.0)
     norms = []
     for group in group_by_mesh(grads):
-        norm = torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite=False, foreach=None)
+        norm = torch.nn.utils.get_total_norm(
+            group, norm_type, error_if_nonfinite=False, foreach=None
+        )
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         norms.append(norm.float())
@@ -42,7 +44,9 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Scale gradients so their total norm is at most ``max_norm`` (0 or inf: no clipping); return the norm."""
     grads = [p.grad for p in params if p.grad is not None]
     total = total_grad_norm(grads, norm_type)

@@ -69,7 +69,9 @@ class LayoutMetadata:
     def from_json(cls, data: dict[str, Any]) -> LayoutMetadata:
         """Parse recorded metadata; unknown versions and malformed records fail closed."""
         if not isinstance(data, dict):
-            raise CheckpointError(f"layout metadata must be a JSON object, found {type(data).__name__}.")
+            raise CheckpointError(
+                f"layout metadata must be a JSON object, found {type(data).__name__}."
+            )
         version = data.get(KEY_FORMAT_VERSION)
         if version != LAYOUT_FORMAT_VERSION:
             raise CheckpointError(
@@ -79,7 +81,9 @@ class LayoutMetadata:
         missing = [k for k in KEYS if k not in data]
         unknown = sorted(set(data) - set(KEYS))
         if missing or unknown:
-            raise CheckpointError(f"layout metadata is malformed: missing keys {missing}, unknown keys {unknown}.")
+            raise CheckpointError(
+                f"layout metadata is malformed: missing keys {missing}, unknown keys {unknown}."
+            )
         try:
             layout = cls(
                 mesh_dim_names=tuple(str(n) for n in data[KEY_MESH_DIM_NAMES]),
@@ -87,7 +91,9 @@ class LayoutMetadata:
                 world_size=int(data[KEY_WORLD_SIZE]),
                 ep_size=int(data[KEY_EP_SIZE]),
                 num_experts=int(data[KEY_NUM_EXPERTS]),
-                expert_placement=tuple(tuple(int(e) for e in ids) for ids in data[KEY_EXPERT_PLACEMENT]),
+                expert_placement=tuple(
+                    tuple(int(e) for e in ids) for ids in data[KEY_EXPERT_PLACEMENT]
+                ),
                 format_version=int(version),
             )
         except (TypeError, ValueError) as exc:
@@ -116,7 +122,9 @@ class LayoutMetadata:
         if self.num_experts != other.num_experts:
             return f"number of experts differs (saved {self.num_experts}, live {other.num_experts})"
         if self.ep_size != other.ep_size:
-            return f"expert-parallel size differs (saved ep={self.ep_size}, live ep={other.ep_size})"
+            return (
+                f"expert-parallel size differs (saved ep={self.ep_size}, live ep={other.ep_size})"
+            )
         if self.expert_placement != other.expert_placement:
             return (
                 f"expert placement differs (saved {[list(p) for p in self.expert_placement]}, "

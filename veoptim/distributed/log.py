@@ -21,7 +21,9 @@ def setup_logging(ctx: DistContext, level: str | int = "INFO") -> logging.Logger
     if isinstance(level, str):
         resolved = logging.getLevelName(level.upper())
         if not isinstance(resolved, int):
-            raise ConfigError(f"logging.level must be a logging level name such as INFO or DEBUG, got {level!r}.")
+            raise ConfigError(
+                f"logging.level must be a logging level name such as INFO or DEBUG, got {level!r}."
+            )
         level = resolved
     root = logging.getLogger()
     handler = next((h for h in root.handlers if h.get_name() == HANDLER_NAME), None)

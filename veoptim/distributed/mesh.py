@@ -1,10 +1,10 @@
 """The named DeviceMesh of a run and the sub-meshes each parallelism uses.
 
-One 3D mesh ``(dp_replicate, efsdp, ep)`` in rank order, outermost first, so
-the ep groups are runs of consecutive ranks (the all-to-all stays inside a node
-when ``ep`` divides the ranks per node). ``dp_shard`` is ``efsdp x ep``
-flattened: dense parameters are sharded over it, expert parameters over
-``efsdp`` only (and split over ``ep``).
+The world mesh is ``(dp_replicate, efsdp, ep)`` in rank order, outermost first,
+so the ep groups are runs of consecutive ranks (the all-to-all stays inside a
+node when ``ep`` divides the ranks per node). Dense parameters are sharded over
+``dp_shard = efsdp x ep`` (the view ``(dp_replicate, dp_shard)`` of the same
+ranks); expert parameters are split over ``ep`` and sharded over ``efsdp``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ DIM_DP = "dp"  # flattened (dp_replicate, efsdp, ep): the whole data-parallel wo
 class ParallelMeshes:
     """The world mesh and its named views."""
 
-    world: DeviceMesh
+    world: DeviceMesh  # (dp_replicate, efsdp, ep)
     dense_fsdp: DeviceMesh  # (dp_shard,) or HSDP (dp_replicate, dp_shard)
     expert_fsdp: DeviceMesh  # (efsdp,) or HSDP (dp_replicate, efsdp)
     ep: DeviceMesh  # (ep,)
@@ -33,12 +33,19 @@ class ParallelMeshes:
 
 
 def build_meshes(device_type: str, sizes: ParallelSizes) -> ParallelMeshes:
-    """Create the world mesh and flatten the data-parallel views (collective on all ranks)."""
-    shape = (sizes.dp_replicate, sizes.efsdp, sizes.ep)
-    world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
-    world[(DIM_EFSDP, DIM_EP)]._flatten(DIM_DP_SHARD)
-    world[MESH_DIM_NAMES]._flatten(DIM_DP)
+    """Create the meshes (collective on all ranks).
+
+    Both views are unflattened from one 1D world mesh, as torchtitan does, so
+    they share a root and FSDP2 can combine the expert FSDP mesh with the ep mesh.
+    """
+    dp = init_device_mesh(device_type, (sizes.world,), mesh_dim_names=(DIM_DP,))
+    dense = dp._unflatten(0, (sizes.dp_replicate, sizes.dp_shard), (DIM_DP_REPLICATE, DIM_DP_SHARD))
+    world = dp._unflatten(0, (sizes.dp_replicate, sizes.efsdp, sizes.ep), MESH_DIM_NAMES)
     hsdp = sizes.dp_replicate > 1
-    dense = world[(DIM_DP_REPLICATE, DIM_DP_SHARD)] if hsdp else world[DIM_DP_SHARD]
-    expert = world[(DIM_DP_REPLICATE, DIM_EFSDP)] if hsdp else world[DIM_EFSDP]
-    return ParallelMeshes(world=world, dense_fsdp=dense, expert_fsdp=expert, ep=world[DIM_EP], dp=world[DIM_DP])
+    return ParallelMeshes(
+        world=world,
+        dense_fsdp=dense if hsdp else dense[DIM_DP_SHARD],
+        expert_fsdp=world[(DIM_DP_REPLICATE, DIM_EFSDP)] if hsdp else world[DIM_EFSDP],
+        ep=world[DIM_EP],
+        dp=dp,
+    )

@@ -91,21 +91,29 @@ class ParallelPlan:
         experts = find_fused_experts(model)
         if self.sizes.ep > 1:
             if not experts:
-                raise DistributedError(f"parallel.ep={self.sizes.ep} but the model has no fused MoE experts modules.")
+                raise DistributedError(
+                    f"parallel.ep={self.sizes.ep} but the model has no fused MoE experts modules."
+                )
             self._apply_expert_parallel(model, experts)
         fsdp_modules: list[FSDPModule] = []
         for layer in layers:
             if self.sizes.ep > 1:
                 for _, _, ep_experts in find_fused_experts(layer):
                     fsdp_modules.append(self._shard_experts(ep_experts))
-            fsdp_modules.append(fully_shard(layer, mesh=self.meshes.dense_fsdp, mp_policy=self.mp_policy))
-        fsdp_modules.append(fully_shard(model, mesh=self.meshes.dense_fsdp, mp_policy=self.mp_policy))
+            fsdp_modules.append(
+                fully_shard(layer, mesh=self.meshes.dense_fsdp, mp_policy=self.mp_policy)
+            )
+        fsdp_modules.append(
+            fully_shard(model, mesh=self.meshes.dense_fsdp, mp_policy=self.mp_policy)
+        )
         for module in fsdp_modules:
             module.set_gradient_divide_factor(GRADIENT_DIVIDE_FACTOR)
             module.set_force_sum_reduction_for_comms(True)
         return model
 
-    def _apply_expert_parallel(self, model: nn.Module, experts: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    def _apply_expert_parallel(
+        self, model: nn.Module, experts: list[tuple[nn.Module, str, nn.Module]]
+    ) -> None:
         assert self.meshes is not None
         group = self.meshes.ep.get_group()
         for parent, attr, module in experts:
@@ -133,7 +141,10 @@ class ParallelPlan:
             )
 
         return fully_shard(
-            module, mesh=self.meshes.expert_fsdp, mp_policy=self.mp_policy, shard_placement_fn=placement
+            module,
+            mesh=self.meshes.expert_fsdp,
+            mp_policy=self.mp_policy,
+            shard_placement_fn=placement,
         )
 
     # ---- collectives the trainer needs ---------------------------------------------
@@ -180,4 +191,6 @@ def build_parallel_plan(cfg: ParallelConfig, ctx: DistContext, num_experts: int)
         reduce_dtype=_dtype(cfg.reduce_dtype, "parallel.reduce_dtype"),
     )
     meshes = build_meshes(ctx.device.type, sizes) if ctx.world_size > 1 else None
-    return ParallelPlan(sizes=sizes, ctx=ctx, num_experts=num_experts, mp_policy=mp_policy, meshes=meshes)
+    return ParallelPlan(
+        sizes=sizes, ctx=ctx, num_experts=num_experts, mp_policy=mp_policy, meshes=meshes
+    )

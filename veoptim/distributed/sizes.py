@@ -51,7 +51,9 @@ def resolve_parallel_sizes(cfg: ParallelConfig, world_size: int, num_experts: in
     _check_degree("dp_shard", cfg.dp_shard, allow_fill=True)
     _check_degree("ep", cfg.ep, allow_fill=False)
     if cfg.dp_replicate == FILL and cfg.dp_shard == FILL:
-        raise ConfigError("at most one of parallel.dp_replicate and parallel.dp_shard may be -1, got both.")
+        raise ConfigError(
+            "at most one of parallel.dp_replicate and parallel.dp_shard may be -1, got both."
+        )
     valid = _divisors(world_size)
     replicate, shard = cfg.dp_replicate, cfg.dp_shard
     if replicate == FILL:
@@ -75,7 +77,9 @@ def resolve_parallel_sizes(cfg: ParallelConfig, world_size: int, num_experts: in
         )
     ep = cfg.ep
     if ep > 1 and num_experts == 0:
-        raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model, but the model has no experts; use ep=1.")
+        raise ConfigError(
+            f"parallel.ep={ep} needs a mixture-of-experts model, but the model has no experts; use ep=1."
+        )
     if shard % ep:
         raise ConfigError(
             f"parallel.ep={ep} must divide parallel.dp_shard={shard} (expert parallelism borrows from "

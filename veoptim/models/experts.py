@@ -31,7 +31,9 @@ class Dispatcher(Protocol):
     num_local: int
     local_expert_ids: range
 
-    def dispatch(self, hidden: torch.Tensor, expert_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], Any]: ...
+    def dispatch(
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int], Any]: ...
 
     def combine(self, expert_out: torch.Tensor, state: Any) -> torch.Tensor: ...
 
@@ -39,7 +41,9 @@ class Dispatcher(Protocol):
 def is_fused_experts(module: nn.Module) -> bool:
     """True for a transformers fused-experts module (3D ``gate_up_proj`` and ``down_proj``)."""
     params = [getattr(module, name, None) for name in FUSED_EXPERT_PARAMS]
-    return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params) and hasattr(module, "act_fn")
+    return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params) and hasattr(
+        module, "act_fn"
+    )
 
 
 def find_fused_experts(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -79,7 +83,9 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         num_experts = experts.gate_up_proj.shape[0]
         if num_experts != dispatcher.num_experts:
-            raise ValueError(f"experts module has {num_experts} experts, the dispatcher {dispatcher.num_experts}.")
+            raise ValueError(
+                f"experts module has {num_experts} experts, the dispatcher {dispatcher.num_experts}."
+            )
         self.num_experts = num_experts
         self.act_fn = experts.act_fn
         self.dispatcher = dispatcher
@@ -87,18 +93,26 @@ class ExpertParallelExperts(nn.Module):
         for name in FUSED_EXPERT_PARAMS:
             full = getattr(experts, name)
             local = full.detach()[ids.start : ids.stop].clone()
-            dtensor = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+            dtensor = DTensor.from_local(
+                local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+            )
             self.register_parameter(name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
 
     @staticmethod
     def _local(param: torch.Tensor) -> torch.Tensor:
         return param.to_local() if isinstance(param, DTensor) else param
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
         rows, per_expert, state = self.dispatcher.dispatch(hidden_states, top_k_index)
         out = local_experts_forward(
-            rows, per_expert, self._local(self.gate_up_proj), self._local(self.down_proj), self.act_fn
+            rows,
+            per_expert,
+            self._local(self.gate_up_proj),
+            self._local(self.down_proj),
+            self.act_fn,
         )
         pairs = self.dispatcher.combine(out, state).view(num_tokens, top_k, -1)
         weighted = pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)
