@@ -26,6 +26,17 @@ from veoptim.checkpoint.resolve import latest_complete, resolve
 MID_SHARD = "mid_shard"
 
 
+def naive_save(root: Path, name: str, step: int, shard_bytes: int) -> None:
+    """Negative control: a non-atomic "move the old directory aside, move the new one in"
+    publish, killed between the two renames (what the atomic publisher replaces)."""
+    tmp = root / f"{name}.tmp"
+    tmp.mkdir()
+    write_payload(tmp, step, shard_bytes)
+    os.rename(root / name, root / f"{name}.old")
+    os.kill(os.getpid(), signal.SIGKILL)
+    os.rename(tmp, root / name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("root", type=Path)
@@ -37,7 +48,10 @@ def main() -> int:
     parser.add_argument("--grace", type=float, default=0.0)
     parser.add_argument("--no-fsync", action="store_true")
     parser.add_argument("--loop", action="store_true")
+    parser.add_argument("--naive", action="store_true", help="negative control, see naive_save")
     args = parser.parse_args()
+    if args.naive:
+        naive_save(args.root, args.name, args.step, args.shard_bytes)
 
     def die_at(phase: str) -> None:
         if phase == args.die_at:
