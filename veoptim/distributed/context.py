@@ -97,7 +97,7 @@ def init_distributed(
     ``parallel.backend`` (auto|gloo|nccl|hccl), ``env`` the launcher's environment.
     """
     device_type = resolve_device(device)
-    backend_name = resolve_backend(backend, device_type)
+    backend_name = resolve_backend(backend, device_type.type)
     world_size = _int_env(env, ENV_WORLD_SIZE, default=1)
     if world_size < 1:
         raise DistributedError(f"{ENV_WORLD_SIZE} must be >= 1, got {world_size}.")

@@ -70,15 +70,18 @@ def local_device(device: torch.device, local_rank: int) -> torch.device:
     return torch.device(device.type, local_rank)
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """Map ``parallel.backend`` to a process-group backend; ``auto`` = gloo/nccl/hccl by device."""
+def resolve_backend(name: str, device_type: str) -> str:
+    """Map ``parallel.backend`` to a process-group backend for ``device_type`` (cpu|cuda|npu).
+
+    ``auto`` = gloo / nccl / hccl; gloo is accepted on every device.
+    """
     if name not in BACKEND_NAMES:
         raise ConfigError(f"parallel.backend must be one of {list(BACKEND_NAMES)}, got {name!r}.")
     if name == "auto":
-        return DEFAULT_BACKENDS[device.type]
-    if name in ("nccl", "hccl") and DEFAULT_BACKENDS[device.type] != name:
+        return DEFAULT_BACKENDS[device_type]
+    if name in ("nccl", "hccl") and DEFAULT_BACKENDS[device_type] != name:
         raise ConfigError(
-            f"parallel.backend={name} does not run on device {device.type}; "
-            f"use {DEFAULT_BACKENDS[device.type]!r} or 'gloo' (or 'auto')."
+            f"parallel.backend={name} does not run on device {device_type}; "
+            f"use {DEFAULT_BACKENDS[device_type]!r} or 'gloo' (or 'auto')."
         )
     return name
