@@ -1,7 +1,7 @@
 """Save checkpoints through the real publisher and die by SIGKILL at a chosen phase.
 
     python crash_writer.py ROOT --name ckpt --step 2 --die-at before_replace
-    python crash_writer.py ROOT --loop          # save step_N and latest until killed
+    python crash_writer.py ROOT --loop [--count N]   # save step_N and latest (until killed)
 
 ``--die-at`` takes a publisher phase (``veoptim.checkpoint.publish.PHASES``) or
 ``mid_shard`` (inside a shard, before the writer finishes it).
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
 import sys
@@ -48,6 +49,7 @@ def main() -> int:
     parser.add_argument("--grace", type=float, default=0.0)
     parser.add_argument("--no-fsync", action="store_true")
     parser.add_argument("--loop", action="store_true")
+    parser.add_argument("--count", type=int, default=0, help="--loop: stop after N steps")
     parser.add_argument("--naive", action="store_true", help="negative control, see naive_save")
     args = parser.parse_args()
     if args.naive:
@@ -72,11 +74,13 @@ def main() -> int:
         return 0
     latest = latest_complete(args.root)
     step = 0 if latest is None else read_manifest(resolve(args.root, latest)).step
-    while True:
+    rounds = itertools.count() if args.count <= 0 else range(args.count)
+    for _ in rounds:
         step += 1
         for name in (step_name(step), "latest"):
             with publisher.write(name, step=step, prunable=name != "latest") as version:
                 write_payload(version, step, args.shard_bytes)
+    return 0
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import signal
 import sys
@@ -32,6 +33,7 @@ def main() -> int:
     parser.add_argument("--saves", required=True)
     parser.add_argument("--fsize-limit", type=int, default=0)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)  # retention warnings go to stderr
     if args.fsize_limit:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of a signal
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
