@@ -1,4 +1,9 @@
-"""Rank-aware logging: rank 0 logs at the configured level, other ranks warnings only."""
+"""Rank-aware logging: rank 0 logs at the configured level, other ranks warnings only.
+
+Works with or without Hydra's job logging: handlers already on the root logger
+(Hydra's console and file handlers) get the rank-aware format, and a console
+handler is added only when there is none, so lines are never duplicated.
+"""
 
 from __future__ import annotations
 
@@ -13,25 +18,38 @@ SINGLE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 MULTI_FORMAT = "[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def _is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (
+        sys.stderr,
+        sys.stdout,
+    )
+
+
+def _resolve_level(level: str | int) -> int:
+    if isinstance(level, int):
+        return level
+    resolved = logging.getLevelName(level.upper())
+    if not isinstance(resolved, int):
+        raise ConfigError(
+            f"logging.level must be a logging level name such as INFO or DEBUG, got {level!r}."
+        )
+    return resolved
+
+
 def setup_logging(ctx: DistContext, level: str | int = "INFO") -> logging.Logger:
     """Configure the root logger for this rank; calling it again reconfigures, never duplicates.
 
     Multi-rank runs prefix every line with the rank so interleaved output stays readable.
     """
-    if isinstance(level, str):
-        resolved = logging.getLevelName(level.upper())
-        if not isinstance(resolved, int):
-            raise ConfigError(
-                f"logging.level must be a logging level name such as INFO or DEBUG, got {level!r}."
-            )
-        level = resolved
+    resolved = _resolve_level(level)
     root = logging.getLogger()
-    handler = next((h for h in root.handlers if h.get_name() == HANDLER_NAME), None)
-    if handler is None:
+    if not any(_is_console(h) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.set_name(HANDLER_NAME)
         root.addHandler(handler)
     fmt = MULTI_FORMAT.format(rank=ctx.rank) if ctx.world_size > 1 else SINGLE_FORMAT
-    handler.setFormatter(logging.Formatter(fmt))
-    root.setLevel(level if ctx.is_main else max(level, logging.WARNING))
+    for handler in root.handlers:
+        if _is_console(handler) or isinstance(handler, logging.FileHandler):
+            handler.setFormatter(logging.Formatter(fmt))
+    root.setLevel(resolved if ctx.is_main else max(resolved, logging.WARNING))
     return root
