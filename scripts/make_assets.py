@@ -3,10 +3,12 @@
     python scripts/make_assets.py            # rewrite veoptim/assets/
     python scripts/make_assets.py --check    # fail if the committed assets differ
 
-The dataset mixes four small tasks a ~100k-parameter model visibly learns in a
-few hundred steps (2-digit addition, reversing, upper-casing and repeating
-pseudo-words), about a tenth of them as two-turn chats. The tokenizer is a
-byte-level BPE (vocab 512) trained on the rendered conversations.
+The dataset mixes four small tasks on which a ~140k-parameter model's loss
+falls clearly within a few hundred steps: addition of numbers up to 49, and
+reversing, upper-casing and repeating words of a small closed vocabulary; about
+a tenth of the examples are two-turn chats. Words are quoted in prompts so that
+they tokenize the same way in the prompt and in the response. The tokenizer is
+a byte-level BPE (vocab 512) trained on the rendered conversations.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ WORDS = (
 MAX_ADDEND = 49
 
 
-def pseudo_word(rng: random.Random) -> str:
+def pick_word(rng: random.Random) -> str:
     """A lowercase word from the closed vocabulary."""
     return rng.choice(WORDS)
 
@@ -62,9 +64,9 @@ def make_turn(rng: random.Random) -> tuple[str, str]:
         a, b = rng.randint(0, MAX_ADDEND), rng.randint(0, MAX_ADDEND)
         return f"What is {a}+{b}?", str(a + b)
     if task == "repeat":
-        words = " ".join(pseudo_word(rng) for _ in range(rng.randint(1, 3)))
+        words = " ".join(pick_word(rng) for _ in range(rng.randint(1, 3)))
         return f'Repeat "{words}"', words
-    word = pseudo_word(rng)
+    word = pick_word(rng)
     if task == "reverse":
         return f'Reverse "{word}"', word[::-1]
     return f'Uppercase "{word}"', word.upper()
