@@ -21,6 +21,11 @@ FOUR_RANK_CASES: dict[str, dict[str, Any]] = {
         "moe": True,
         "model_kw": {"num_experts": 2, "top_k": 1},
     },
+    "qwen2_moe_ep2_efsdp2": {  # shared expert + gate stay dense (FSDP over dp_shard)
+        "parallel": {"ep": 2, **FP32},
+        "moe": True,
+        "model_kw": {"arch": "qwen2_moe"},
+    },
     "moe_bf16": {"parallel": {"ep": 2, "param_dtype": "bf16", "reduce_dtype": "fp32"}, "moe": True},
     "moe_per_rank_mean": {"parallel": {"ep": 2, **FP32}, "moe": True, "per_rank_mean": True},
 }

@@ -35,14 +35,13 @@ DCP_DIR = "dcp_model"
 FULL_STATE_FILE = "full_state.pt"
 
 
-def model_config(moe: bool, num_experts: int = 4, top_k: int = 2) -> ModelConfig:
+def model_config(
+    moe: bool, num_experts: int = 4, top_k: int = 2, arch: str = "qwen3_moe"
+) -> ModelConfig:
     if not moe:
         return ModelConfig(arch="qwen2")
     return ModelConfig(
-        arch="qwen3_moe",
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=32,
+        arch=arch, num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=32
     )
 
 
