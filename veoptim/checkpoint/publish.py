@@ -21,10 +21,8 @@ the name published and removes the new, unpublished version directory.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -32,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from veoptim.checkpoint.durable import fsync_dir, fsync_tree
 from veoptim.checkpoint.layout import (
     link_path,
     link_target,
@@ -46,9 +45,12 @@ from veoptim.checkpoint.resolve import check_complete, read_link
 from veoptim.checkpoint.retention import (
     PHASE_RETENTION,
     collect_garbage,
+    in_flight,
     prune_names,
+    register_in_flight,
     remove_version,
     retire,
+    unregister_in_flight,
 )
 from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank, world_size
 from veoptim.errors import CheckpointError
@@ -71,59 +73,6 @@ PHASES = (
     PHASE_RETENTION,
 )
 FaultHook = Callable[[str], None]
-_UNSUPPORTED_DIR_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EBADF)
-
-# Entries (version ids, temporary link names) of saves in flight in this process, per
-# real root path: cleanup by another Publisher on the same root must not delete them.
-_IN_FLIGHT: dict[str, set[str]] = {}
-_IN_FLIGHT_LOCK = threading.Lock()
-
-
-def _root_key(root: Path) -> str:
-    return str(Path(root).resolve())
-
-
-def _register(root: Path, entry: str) -> None:
-    with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT.setdefault(_root_key(root), set()).add(entry)
-
-
-def _unregister(root: Path, entry: str) -> None:
-    with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT.get(_root_key(root), set()).discard(entry)
-
-
-def in_flight(root: Path) -> frozenset[str]:
-    with _IN_FLIGHT_LOCK:
-        return frozenset(_IN_FLIGHT.get(_root_key(root), ()))
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory's entries; a no-op where the filesystem cannot (EINVAL, ...)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in _UNSUPPORTED_DIR_FSYNC:
-            raise
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path, *, files: bool, dirs: bool) -> None:
-    """fsync every regular file and/or every directory under ``path`` (directories last)."""
-    for dirpath, _, filenames in os.walk(path, topdown=False):
-        if files:
-            for entry in filenames:
-                full = os.path.join(dirpath, entry)
-                if os.path.isfile(full) and not os.path.islink(full):
-                    fd = os.open(full, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-        if dirs:
-            fsync_dir(Path(dirpath))
 
 
 @dataclass(frozen=True)
@@ -204,7 +153,7 @@ class PendingVersion:
             raise
         result = broadcast_from_rank0(result, pub.group)
         if pub.is_rank0:
-            _unregister(pub.root, self.version_id)
+            unregister_in_flight(pub.root, self.version_id)
             pub._retention(result)
         return result
 
@@ -219,7 +168,7 @@ class PendingVersion:
         except (OSError, CheckpointError) as exc:
             log.warning("Could not remove unpublished checkpoint %s: %s", self.path, exc)
         finally:
-            _unregister(pub.root, self.version_id)
+            unregister_in_flight(pub.root, self.version_id)
 
 
 class Publisher:
@@ -284,7 +233,7 @@ class Publisher:
             if version_id is not None:
                 with suppress(OSError):
                     remove_version(version_dir(self.root, version_id))
-                _unregister(self.root, version_id)
+                unregister_in_flight(self.root, version_id)
             raise
         version_id = broadcast_from_rank0(version_id, self.group)
         return PendingVersion(
@@ -312,11 +261,11 @@ class Publisher:
         except Exception as exc:  # cleanup never fails a save
             log.warning("Checkpoint cleanup in %s failed (ignored): %s", self.root, exc)
         version_id = new_version_id(name)
-        _register(self.root, version_id)
+        register_in_flight(self.root, version_id)
         try:
             version_dir(self.root, version_id).mkdir()
         except BaseException:
-            _unregister(self.root, version_id)
+            unregister_in_flight(self.root, version_id)
             raise
         return version_id
 
@@ -337,7 +286,8 @@ class Publisher:
         )
         write_manifest(path, manifest, fsync=self.fsync)
         if self.fsync:
-            fsync_dir(path)
+            fsync_dir(path)  # the manifest's entry
+            fsync_dir(versions_dir(self.root))  # the version directory's entry
         self._hook(PHASE_AFTER_MANIFEST)
         previous = self._point(name, pending.version_id)
         return Published(name=name, path=path.resolve(), manifest=manifest, previous=previous)
@@ -352,7 +302,7 @@ class Publisher:
         except CheckpointError:
             previous = None  # a malformed link is replaced like any other
         tmp = temp_link_path(self.root, name, uuid.uuid4().hex[:16])
-        _register(self.root, tmp.name)
+        register_in_flight(self.root, tmp.name)
         try:
             os.symlink(link_target(version_id), tmp)
             self._hook(PHASE_BEFORE_REPLACE)
@@ -362,7 +312,7 @@ class Publisher:
                 tmp.unlink()
             raise
         finally:
-            _unregister(self.root, tmp.name)
+            unregister_in_flight(self.root, tmp.name)
         try:
             self._hook(PHASE_AFTER_REPLACE)
             if self.fsync:
@@ -435,7 +385,4 @@ __all__ = [
     "Publisher",
     "PendingVersion",
     "Published",
-    "fsync_dir",
-    "fsync_tree",
-    "in_flight",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -36,6 +37,30 @@ log = logging.getLogger(__name__)
 
 PHASE_RETENTION = "retention"
 FaultHook = Callable[[str], None]
+
+# Entries (version ids, temporary link names) of saves in flight in this process, per
+# real root path: cleanup by another Publisher on the same root must not delete them.
+_IN_FLIGHT: dict[str, set[str]] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _root_key(root: Path) -> str:
+    return str(Path(root).resolve())
+
+
+def register_in_flight(root: Path, entry: str) -> None:
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.setdefault(_root_key(root), set()).add(entry)
+
+
+def unregister_in_flight(root: Path, entry: str) -> None:
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.get(_root_key(root), set()).discard(entry)
+
+
+def in_flight(root: Path) -> frozenset[str]:
+    with _IN_FLIGHT_LOCK:
+        return frozenset(_IN_FLIGHT.get(_root_key(root), ()))
 
 
 def retire(version: Path) -> None:
