@@ -1,0 +1,334 @@
+"""FP32-master AdamW: the base of ``full_fp32_adamw``, ``master_fp32_adamw`` and ``cpu_offload_adamw``.
+
+State per parameter (SPEC §4): ``master_weight`` (FP32), ``exp_avg`` and
+``exp_avg_sq`` (the group's moment dtype), ``step`` (FP32 scalar tensor). After
+each update the model parameter is written from its master (round-to-nearest,
+or stochastic rounding for BF16 parameters when enabled). For a resident FP32
+parameter the parameter itself is the master: ``master_weight`` is the
+parameter tensor (no second copy), and loading it writes the parameter.
+
+State is created lazily at a parameter's first real gradient, from the
+parameter's current value. The "dummy step" of
+``torch.distributed.checkpoint.state_dict`` (empty state, every gradient zero,
+every lr 0) only creates placeholder state with ``step == 0``; a placeholder
+(or loaded state whose step is 0) is re-derived from the parameter at the first
+real step, so weights loaded after the placeholder was made are honoured.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch.optim import Optimizer
+
+from veoptim.errors import CheckpointError, ConfigError
+from veoptim.optim.dtensor_util import global_flat_offset, local, wrap_like
+from veoptim.optim.fused_engine import DEFAULT_FUSED_CHUNK, Hyper, Scratch, UpdateBatch, adamw_update_
+from veoptim.optim.offload import StagingBuffer, offload_update_
+from veoptim.optim.rounding import noise_key
+from veoptim.optim.state_check import ExpectedState, check_entry, check_groups, param_name
+from veoptim.optim.state_keys import (
+    CPU_OFFLOAD,
+    EXP_AVG,
+    EXP_AVG_SQ,
+    MASTER_DTYPE,
+    MASTER_WEIGHT,
+    STEP,
+    STEP_DTYPE,
+    SUPPORTED_PARAM_DTYPES,
+)
+
+_HOST = torch.device("cpu")
+
+
+class ExactAdamW(Optimizer):
+    """AdamW with FP32 masters; groups with ``cpu_offload=True`` keep their state in host memory."""
+
+    allows_offload: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        maximize: bool = False,
+        amsgrad: bool = False,
+        resident_moment_dtype: torch.dtype = torch.float32,
+        offload_moment_dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool = False,
+        sr_seed: int = 0,
+        chunk_size: int = 1 << 20,
+        fused_chunk_size: int = DEFAULT_FUSED_CHUNK,
+        param_names: Mapping[int, str] | None = None,
+    ) -> None:
+        if amsgrad:
+            raise ConfigError(
+                f"{type(self).__name__} does not implement amsgrad (its state would need a fourth "
+                "moment tensor outside the checkpoint format); use amsgrad=False."
+            )
+        if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(
+                "AdamW needs lr >= 0, eps > 0, weight_decay >= 0 and 0 <= betas < 1; "
+                f"got lr={lr}, eps={eps}, weight_decay={weight_decay}, betas={tuple(betas)}."
+            )
+        if chunk_size < 1 or fused_chunk_size < 1:
+            raise ConfigError(f"chunk sizes must be >= 1, got {chunk_size}, {fused_chunk_size}.")
+        self.resident_moment_dtype = resident_moment_dtype
+        self.offload_moment_dtype = offload_moment_dtype
+        self.stochastic_rounding = stochastic_rounding
+        self.sr_seed = sr_seed
+        self.chunk_size = chunk_size
+        self.fused_chunk_size = fused_chunk_size
+        self.param_names: dict[int, str] = dict(param_names or {})
+        self._scratch = Scratch()
+        self._host_scratch = Scratch()
+        self._staging: dict[torch.device, StagingBuffer] = {}
+        self._unverified: set[torch.Tensor] = set()
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            **{CPU_OFFLOAD: False},
+        )
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups and policy
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group[CPU_OFFLOAD] and not self.allows_offload:
+            raise ConfigError(
+                f"{type(self).__name__} keeps all state on the device; cpu_offload groups need "
+                "cpu_offload_adamw."
+            )
+        for p in group["params"]:
+            pl = local(p)
+            if pl.dtype not in SUPPORTED_PARAM_DTYPES or not pl.is_contiguous():
+                raise ConfigError(
+                    f"{type(self).__name__} needs contiguous parameters of dtype "
+                    f"{[str(d) for d in SUPPORTED_PARAM_DTYPES]}; {self._name(p)} is "
+                    f"{pl.dtype}, contiguous={pl.is_contiguous()}."
+                )
+
+    def _name(self, p: torch.Tensor) -> str:
+        return self.param_names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+
+    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise KeyError(f"{self._name(param)} is not managed by this optimizer.")
+
+    def _ordinal(self, param: torch.Tensor) -> int:
+        flat = [p for g in self.param_groups for p in g["params"]]
+        return next(i for i, p in enumerate(flat) if p is param)
+
+    @staticmethod
+    def is_offloaded(group: Mapping[str, Any]) -> bool:
+        return bool(group.get(CPU_OFFLOAD, False))
+
+    def moment_dtype(self, group: Mapping[str, Any]) -> torch.dtype:
+        return self.offload_moment_dtype if self.is_offloaded(group) else self.resident_moment_dtype
+
+    def state_device(self, param: torch.Tensor, group: Mapping[str, Any]) -> torch.device:
+        return _HOST if self.is_offloaded(group) else local(param).device
+
+    def master_is_param(self, param: torch.Tensor, group: Mapping[str, Any]) -> bool:
+        """A resident FP32 parameter is its own master (no second copy)."""
+        return local(param).dtype == MASTER_DTYPE and not self.is_offloaded(group)
+
+    def expected_state(self, param: torch.Tensor) -> ExpectedState:
+        """State keys with the local shape and dtype this optimizer keeps for ``param``."""
+        group = self._group_of(param)
+        shape = local(param).shape
+        moment = self.moment_dtype(group)
+        return {
+            MASTER_WEIGHT: (shape, MASTER_DTYPE),
+            EXP_AVG: (shape, moment),
+            EXP_AVG_SQ: (shape, moment),
+            STEP: (torch.Size([]), STEP_DTYPE),
+        }
+
+    # ------------------------------------------------------------------ state creation
+    @torch.no_grad()
+    def _fresh_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        pl, device, moment = local(p), self.state_device(p, group), self.moment_dtype(group)
+        if self.master_is_param(p, group):
+            master = p.detach()
+        else:
+            master_local = torch.empty(pl.shape, dtype=MASTER_DTYPE, device=device)
+            master_local.copy_(pl)
+            master = wrap_like(p, master_local)
+        return {
+            MASTER_WEIGHT: master,
+            EXP_AVG: wrap_like(p, torch.zeros(pl.shape, dtype=moment, device=device)),
+            EXP_AVG_SQ: wrap_like(p, torch.zeros(pl.shape, dtype=moment, device=device)),
+            STEP: torch.zeros((), dtype=STEP_DTYPE, device=device),
+        }
+
+    def _is_dcp_dummy_step(self) -> bool:
+        """DCP's state-initialising step: no state yet, every lr 0 and every gradient zero."""
+        if self.state:
+            return False
+        if any(float(g["lr"]) != 0.0 for g in self.param_groups):
+            return False
+        grads = [local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        return bool(grads) and not any(bool(g.any()) for g in grads)
+
+    def _real_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        state = self.state[p]
+        if p in self._unverified:
+            self._unverified.discard(p)
+            if state and float(state[STEP]) == 0.0:
+                state = {}  # placeholder: re-derive from the parameter as it is now
+        if not state:
+            state = self._fresh_state(p, group)
+            self.state[p] = state
+        return state
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._is_dcp_dummy_step():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.state[p] = self._fresh_state(p, group)
+                        self._unverified.add(p)
+            return loss
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        offloaded = self.is_offloaded(group)
+        batch = UpdateBatch([], [], [], [], [], [], [], [])
+        for p in params:
+            grad = local(p.grad)
+            if grad.is_sparse:
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients.")
+            state = self._real_state(p, group)
+            batch.masters.append(local(state[MASTER_WEIGHT]).view(-1))
+            batch.grads.append(grad.reshape(-1))
+            batch.exp_avgs.append(local(state[EXP_AVG]).view(-1))
+            batch.exp_avg_sqs.append(local(state[EXP_AVG_SQ]).view(-1))
+            batch.steps.append(state[STEP])
+            batch.outs.append(None if self.master_is_param(p, group) else local(p).view(-1))
+        torch._foreach_add_(batch.steps, 1.0)
+        if self.stochastic_rounding:
+            steps = torch.stack([s.to(_HOST) for s in batch.steps]).tolist()
+            for p, s in zip(params, steps, strict=True):
+                batch.sr_keys.append(noise_key(self.sr_seed, int(s), self._ordinal(p)))
+                batch.sr_offsets.append(global_flat_offset(p))
+        beta1, beta2 = group["betas"]
+        hp = Hyper(
+            float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], group["maximize"]
+        )
+        if offloaded:
+            device = local(params[0]).device
+            staging = self._staging.get(device)
+            if staging is None:
+                staging = self._staging[device] = StagingBuffer(self.chunk_size, device)
+            offload_update_(batch, hp, staging, self._host_scratch, self.stochastic_rounding)
+        else:
+            adamw_update_(
+                batch, hp, self._scratch, self.fused_chunk_size, self.stochastic_rounding
+            )
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's format; the ``cpu_offload`` placement flag is left out of the param groups."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            group.pop(CPU_OFFLOAD, None)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Validate every group and state tensor, then install the tensors as they are.
+
+        Raises CheckpointError (nothing changed) on any mismatch of group sizes,
+        keys, dtypes or shapes. Tensors already on the state's device are installed
+        without a copy (no parameter-dtype copies, unlike ``Optimizer.load_state_dict``).
+        """
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+        check_groups(self.param_groups, saved_groups)
+        if not isinstance(saved_state, Mapping):
+            raise CheckpointError("Optimizer state dict has no 'state' mapping.")
+        owners: dict[Any, tuple[torch.Tensor, dict[str, Any], str]] = {}
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            for pi, (key, p) in enumerate(zip(saved["params"], group["params"], strict=True)):
+                owners[key] = (p, group, param_name(self.param_names, p, gi, pi))
+        for key, entry in saved_state.items():
+            if key not in owners:
+                raise CheckpointError(
+                    f"Optimizer state has an entry for {key!r}, which no param group lists."
+                )
+            p, _, name = owners[key]
+            check_entry(name, p, entry, self.expected_state(p))
+        # Everything is valid: place tensors (device moves only), then commit.
+        new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        param_writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, entry in saved_state.items():
+            p, group, _ = owners[key]
+            device = self.state_device(p, group)
+            placed = {k: wrap_like(p, local(v).to(device)) for k, v in entry.items() if k != STEP}
+            placed[STEP] = entry[STEP].to(device)
+            if self.master_is_param(p, group):
+                src = local(placed[MASTER_WEIGHT])
+                if src.data_ptr() != local(p).data_ptr():
+                    param_writes.append((local(p), src))
+                placed[MASTER_WEIGHT] = p.detach()
+            new_state[p] = placed
+        with torch.no_grad():
+            for dst, src in param_writes:
+                dst.copy_(src)
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            for k, v in saved.items():
+                if k not in ("params", CPU_OFFLOAD):
+                    group[k] = v
+        self.state = new_state
+        self._unverified = set(new_state)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+
+class FullFP32AdamW(ExactAdamW):
+    """FP32 master, FP32 moments, all on the device."""
+
+    def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
+        kwargs.setdefault("resident_moment_dtype", torch.float32)
+        super().__init__(params, **kwargs)
+
+
+class MasterFP32AdamW(ExactAdamW):
+    """FP32 master, BF16 moments (explicit), all on the device."""
+
+    def __init__(self, params: Iterable[Any], **kwargs: Any) -> None:
+        kwargs.setdefault("resident_moment_dtype", torch.bfloat16)
+        super().__init__(params, **kwargs)
+
+
+class CPUOffloadAdamW(ExactAdamW):
+    """FP32 master; groups with ``cpu_offload=True`` keep master and moments in host memory."""
+
+    allows_offload = True

@@ -1,0 +1,168 @@
+"""The AdamW arithmetic of every exact-precision optimizer: ``torch._fused_adamw_`` on FP32.
+
+One kernel does the update everywhere (resident and offloaded groups, CPU and
+accelerators), on FP32 masters and FP32 moments. Where a gradient or a moment is
+stored in a narrower dtype, the tensors are processed in batches of at most
+``chunk`` elements: the narrow operands are widened into a reused FP32 scratch,
+updated, rounded back (round-to-nearest-even) and the parameter written from the
+master, while the batch is still in cache. Segment starts are multiples of
+:data:`ALIGN` elements so every element takes the same vector/scalar path as in a
+single whole-tensor call: the result is bitwise independent of the chunk size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from veoptim.optim.rounding import write_back_
+
+#: Segment starts are multiples of this many elements. The CPU fused kernel
+#: splits work at cache-line multiples and vectorises from each split point; 64
+#: covers every float vector width (AVX2, AVX-512, NEON, SVE up to 2048 bit).
+ALIGN = 64
+#: Default batch size of the resident path: 256 Ki FP32 elements (1 MiB per operand).
+DEFAULT_FUSED_CHUNK = 1 << 18
+
+
+def align_chunk(chunk: int) -> int:
+    """Round a chunk size down to a multiple of :data:`ALIGN` (at least ALIGN)."""
+    return max(ALIGN, chunk - chunk % ALIGN)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """AdamW hyperparameters of one param group, as the fused kernel takes them."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    maximize: bool
+
+    def kernel_kwargs(self) -> dict:
+        return dict(
+            lr=self.lr,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            weight_decay=self.weight_decay,
+            eps=self.eps,
+            amsgrad=False,
+            maximize=self.maximize,
+        )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``[start, end)`` of tensor ``index`` of a tensor list."""
+
+    index: int
+    start: int
+    end: int
+
+
+def plan_batches(numels: list[int], chunk: int) -> list[list[Segment]]:
+    """Split tensors into aligned segments and pack them into batches of <= chunk elements."""
+    chunk = align_chunk(chunk)
+    batches: list[list[Segment]] = []
+    current: list[Segment] = []
+    filled = 0
+    for i, n in enumerate(numels):
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            if filled + end - start > chunk:
+                batches.append(current)
+                current, filled = [], 0
+            current.append(Segment(i, start, end))
+            filled += end - start
+    if current:
+        batches.append(current)
+    return batches
+
+
+class Scratch:
+    """Reused FP32 work buffers of one device (grad, exp_avg, exp_avg_sq), grown on demand."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get((name, device))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            self._buffers[(name, device)] = buf
+        return buf
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+@dataclass
+class UpdateBatch:
+    """Flat (1-D, contiguous) local tensors of the parameters updated together."""
+
+    masters: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    #: Parameter written from the master after the update; None where the master is the parameter.
+    outs: list[torch.Tensor | None]
+    #: Stochastic-rounding noise key and global index of element 0, per tensor.
+    sr_keys: list[int]
+    sr_offsets: list[int]
+
+
+def _widen(
+    scratch: Scratch, name: str, views: list[torch.Tensor], total: int
+) -> list[torch.Tensor]:
+    """FP32 copies of ``views`` packed into one scratch buffer (views already FP32 are returned)."""
+    if all(v.dtype == torch.float32 for v in views):
+        return views
+    buf = scratch.get(name, total, views[0].device)
+    out, offset = [], 0
+    for v in views:
+        out.append(buf[offset : offset + v.numel()])
+        offset += v.numel()
+    torch._foreach_copy_(out, views)
+    return out
+
+
+def adamw_update_(batch: UpdateBatch, hp: Hyper, scratch: Scratch, chunk: int, sr: bool) -> None:
+    """One AdamW update of every tensor in ``batch`` (steps already incremented)."""
+    if not batch.masters:
+        return
+    kwargs = hp.kernel_kwargs()
+    narrow = any(g.dtype != torch.float32 for g in batch.grads) or any(
+        m.dtype != torch.float32 for m in batch.exp_avgs + batch.exp_avg_sqs
+    )
+    if not narrow and all(o is None for o in batch.outs):
+        torch._fused_adamw_(
+            batch.masters, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, [], batch.steps, **kwargs
+        )
+        return
+    for segs in plan_batches([m.numel() for m in batch.masters], chunk):
+        total = sum(s.end - s.start for s in segs)
+        masters = [batch.masters[s.index][s.start : s.end] for s in segs]
+        grads = _widen(scratch, "grad", [batch.grads[s.index][s.start : s.end] for s in segs], total)
+        m_store = [batch.exp_avgs[s.index][s.start : s.end] for s in segs]
+        v_store = [batch.exp_avg_sqs[s.index][s.start : s.end] for s in segs]
+        m32 = _widen(scratch, "exp_avg", m_store, total)
+        v32 = _widen(scratch, "exp_avg_sq", v_store, total)
+        steps = [batch.steps[s.index] for s in segs]
+        torch._fused_adamw_(masters, grads, m32, v32, [], steps, **kwargs)
+        if m32 is not m_store:
+            torch._foreach_copy_(m_store, m32)
+        if v32 is not v_store:
+            torch._foreach_copy_(v_store, v32)
+        pairs = [(i, s) for i, s in enumerate(segs) if batch.outs[s.index] is not None]
+        if pairs:
+            write_back_(
+                [batch.outs[s.index][s.start : s.end] for _, s in pairs],
+                [masters[i] for i, _ in pairs],
+                stochastic=sr,
+                keys=[batch.sr_keys[s.index] for _, s in pairs] if sr else None,
+                first_indices=[batch.sr_offsets[s.index] + s.start for _, s in pairs] if sr else None,
+            )

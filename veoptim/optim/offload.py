@@ -1,0 +1,134 @@
+"""Streaming update of offloaded groups through a bounded host staging buffer.
+
+Masters and moments of offloaded parameters live in host memory; the compute
+parameter and its gradient stay on their device. Per chunk of ``chunk``
+elements: the gradient segment is copied device -> host into one of two reused
+grad slots (the next chunk's copy is issued before the current chunk is
+computed), the host runs the fused FP32 AdamW on the segment, the rounded
+parameter segment is written into one reused write-back slot and copied
+host -> device. Before a slot is read, reused or grown, the transfers it is
+part of are waited for. Slots are allocated once (pinned where the device is an
+accelerator) and reused across chunks and parameters, so pinned memory stays at
+``3 * chunk * 4`` bytes whatever the model size. On a CPU-only run the same
+chunked code runs with plain synchronous copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from veoptim.optim.fused_engine import Hyper, Scratch, UpdateBatch, _widen, align_chunk
+from veoptim.optim.rounding import write_back_
+
+_SLOT_ITEMSIZE = 4  # widest supported parameter/gradient dtype (FP32)
+
+
+class _Slot:
+    """One pinned byte buffer plus the event of the last transfer that touches it."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.event: torch.Event | None = None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+class StagingBuffer:
+    """Host staging of one compute device: two grad slots and one write-back slot."""
+
+    def __init__(self, chunk: int, device: torch.device) -> None:
+        self.chunk = align_chunk(chunk)
+        self.device = device
+        self.async_copies = device.type != "cpu"
+        self._grad = [_Slot(), _Slot()]
+        self._out = _Slot()
+        self.allocations = 0  # number of slot (re)allocations, for tests and benchmarks
+
+    def _view(self, slot: _Slot, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if slot.buf is None or slot.buf.numel() < nbytes:
+            slot.wait()  # never free or replace a buffer a transfer still uses
+            size = max(nbytes, self.chunk * _SLOT_ITEMSIZE)
+            slot.buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.async_copies)
+            self.allocations += 1
+        return slot.buf[:nbytes].view(dtype)
+
+    def _record(self, slot: _Slot) -> None:
+        if self.async_copies:
+            slot.event = torch.Event(device=self.device)
+            slot.event.record()
+
+    def fetch(self, k: int, src: torch.Tensor) -> None:
+        """Start copying a device gradient segment into grad slot ``k % 2``."""
+        slot = self._grad[k % 2]
+        slot.wait()
+        self._view(slot, src.numel(), src.dtype).copy_(src, non_blocking=self.async_copies)
+        self._record(slot)
+
+    def fetched(self, k: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient segment of grad slot ``k % 2`` once its copy has landed."""
+        slot = self._grad[k % 2]
+        slot.wait()
+        return self._view(slot, numel, dtype)
+
+    def out(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The write-back slot, after its previous host -> device copy has completed."""
+        self._out.wait()
+        return self._view(self._out, numel, dtype)
+
+    def push(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the write-back slot contents ``src`` to the device segment ``dst``."""
+        dst.copy_(src, non_blocking=self.async_copies)
+        self._record(self._out)
+
+    def drain(self) -> None:
+        """Wait for every outstanding transfer (before the buffers are dropped)."""
+        for slot in (*self._grad, self._out):
+            slot.wait()
+
+
+def offload_update_(
+    batch: UpdateBatch, hp: Hyper, staging: StagingBuffer, scratch: Scratch, sr: bool
+) -> None:
+    """AdamW update of host-resident masters/moments from device gradients, chunk by chunk."""
+    chunk = staging.chunk
+    jobs = [
+        (i, start, min(m.numel(), start + chunk))
+        for i, m in enumerate(batch.masters)
+        for start in range(0, m.numel(), chunk)
+    ]
+    if not jobs:
+        return
+    kwargs = hp.kernel_kwargs()
+    i0, s0, e0 = jobs[0]
+    staging.fetch(0, batch.grads[i0][s0:e0])
+    for k, (i, start, end) in enumerate(jobs):
+        if k + 1 < len(jobs):
+            ni, ns, ne = jobs[k + 1]
+            staging.fetch(k + 1, batch.grads[ni][ns:ne])
+        n = end - start
+        grad = _widen(scratch, "grad", [staging.fetched(k, n, batch.grads[i].dtype)], n)
+        master = batch.masters[i][start:end]
+        m_store = batch.exp_avgs[i][start:end]
+        v_store = batch.exp_avg_sqs[i][start:end]
+        m32 = _widen(scratch, "exp_avg", [m_store], n)
+        v32 = _widen(scratch, "exp_avg_sq", [v_store], n)
+        torch._fused_adamw_([master], grad, m32, v32, [], [batch.steps[i]], **kwargs)
+        if m32[0] is not m_store:
+            m_store.copy_(m32[0])
+        if v32[0] is not v_store:
+            v_store.copy_(v32[0])
+        param = batch.outs[i]
+        assert param is not None, "an offloaded master never aliases its device parameter"
+        out = staging.out(n, param.dtype)
+        write_back_(
+            [out],
+            [master],
+            stochastic=sr,
+            keys=[batch.sr_keys[i]] if sr else None,
+            first_indices=[batch.sr_offsets[i] + start] if sr else None,
+        )
+        staging.push(param[start:end], out)

@@ -1,0 +1,93 @@
+"""Validation of loaded optimizer state against what the live optimizer expects.
+
+Every check runs before anything is installed, so a rejected state dict leaves
+the optimizer (and the model) untouched. Nothing is ever cast: a dtype or shape
+that differs from the expectation is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from veoptim.errors import CheckpointError
+from veoptim.optim.dtensor_util import local
+
+#: What an optimizer expects for one parameter: state key -> (local shape, dtype).
+ExpectedState = dict[str, tuple[torch.Size, torch.dtype]]
+
+
+class HasExpectedState(Protocol):
+    def expected_state(self, param: torch.Tensor) -> ExpectedState: ...
+
+
+def expected_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> ExpectedState:
+    """State keys, local shapes and dtypes ``optimizer`` keeps for ``param`` (all four types)."""
+    fn = getattr(optimizer, "expected_state", None)
+    if fn is None:
+        raise TypeError(
+            f"expected_optimizer_state supports the veoptim optimizers; got {type(optimizer).__name__}."
+        )
+    return fn(param)
+
+
+def check_groups(live: list[dict], saved: Any) -> None:
+    """The saved param groups must match the live ones in number and size."""
+    if not isinstance(saved, list) or len(saved) != len(live):
+        found = len(saved) if isinstance(saved, list) else type(saved).__name__
+        raise CheckpointError(
+            f"Optimizer state has {found} param groups; the live optimizer has {len(live)}."
+        )
+    for i, (g, s) in enumerate(zip(live, saved, strict=True)):
+        if not isinstance(s, Mapping) or len(s.get("params", ())) != len(g["params"]):
+            n = len(s.get("params", ())) if isinstance(s, Mapping) else "?"
+            raise CheckpointError(
+                f"Optimizer param group {i} has {n} parameters in the state dict; "
+                f"the live group has {len(g['params'])}."
+            )
+
+
+def check_entry(
+    name: str, param: torch.Tensor, entry: Any, expected: ExpectedState
+) -> None:
+    """Raise CheckpointError unless ``entry`` holds exactly the expected tensors."""
+    if not isinstance(entry, Mapping):
+        raise CheckpointError(
+            f"Optimizer state of {name} must be a dict of tensors, found {type(entry).__name__}."
+        )
+    missing = sorted(set(expected) - set(entry))
+    extra = sorted(set(entry) - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"Optimizer state of {name} must have keys {sorted(expected)}; "
+            f"missing {missing}, unexpected {extra}."
+        )
+    for key, (shape, dtype) in expected.items():
+        value = entry[key]
+        where = f"optimizer state {key!r} of {name}"
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{where} must be a tensor, found {type(value).__name__}.")
+        if value.dtype != dtype:
+            raise CheckpointError(
+                f"{where} must be {dtype}, found {value.dtype}; state is never cast on load."
+            )
+        if isinstance(value, DTensor):
+            if not isinstance(param, DTensor) or key == "step":
+                raise CheckpointError(f"{where} is a DTensor but the parameter's state is local.")
+            if value.shape != param.shape or tuple(value.placements) != tuple(param.placements):
+                raise CheckpointError(
+                    f"{where} has global shape {tuple(value.shape)} and placements "
+                    f"{value.placements}; expected {tuple(param.shape)} and {param.placements}."
+                )
+        if local(value).shape != shape:
+            raise CheckpointError(
+                f"{where} has local shape {tuple(local(value).shape)}, expected {tuple(shape)}."
+            )
+
+
+def param_name(names: Mapping[int, str], param: torch.Tensor, group: int, index: int) -> str:
+    """A readable name for error messages: the model FQN when known."""
+    return names.get(id(param), f"param {index} of group {group}")
