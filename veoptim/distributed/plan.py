@@ -97,8 +97,8 @@ class ParallelPlan:
             self._apply_expert_parallel(model, experts)
         fsdp_modules: list[FSDPModule] = []
         for layer in layers:
-            if self.sizes.ep > 1:
-                for _, _, ep_experts in find_fused_experts(layer):
+            for ep_experts in layer.modules():
+                if isinstance(ep_experts, ExpertParallelExperts):
                     fsdp_modules.append(self._shard_experts(ep_experts))
             fsdp_modules.append(
                 fully_shard(layer, mesh=self.meshes.dense_fsdp, mp_policy=self.mp_policy)
