@@ -253,7 +253,10 @@ class Publisher:
 
     def _prepare(self, name: str) -> str:
         link = link_path(self.root, name)
-        versions_dir(self.root).mkdir(parents=True, exist_ok=True)
+        if not versions_dir(self.root).is_dir():
+            versions_dir(self.root).mkdir(parents=True, exist_ok=True)
+            if self.fsync:
+                fsync_dir(self.root)  # .versions must outlive a power loss before any name
         if os.path.lexists(link) and not link.is_symlink():
             raise _legacy_error(link)
         try:
