@@ -119,6 +119,18 @@ def test_exception_inside_write_keeps_previous_version_and_removes_new_one(
     assert versions(tmp_path) == [old.name]
 
 
+def test_keyboard_interrupt_inside_write_propagates_and_keeps_previous_version(
+    tmp_path: Path,
+) -> None:
+    pub = Publisher(tmp_path)
+    old = save(pub, "ckpt", 1)
+    with pytest.raises(KeyboardInterrupt):
+        with pub.write("ckpt", step=2) as version:
+            write_payload(version, 2, 64)
+            raise KeyboardInterrupt
+    assert resolve(tmp_path, "ckpt") == old and versions(tmp_path) == [old.name]
+
+
 def test_fault_while_publishing_keeps_previous_version(tmp_path: Path) -> None:
     def fail(phase: str) -> None:
         if phase == "after_replace":

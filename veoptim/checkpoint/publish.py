@@ -247,7 +247,10 @@ class Publisher:
         try:
             yield pending.path
         except BaseException as exc:
-            pending.abort(exc)
+            if isinstance(exc, Exception):
+                pending.abort(exc)  # raises the agreed CheckpointError
+            with suppress(CheckpointError):  # KeyboardInterrupt, SystemExit: keep them
+                pending.abort(exc)
             raise
         pending.commit()
 
