@@ -26,7 +26,13 @@ from torch.optim import Optimizer
 
 from veoptim.errors import CheckpointError, ConfigError
 from veoptim.optim.dtensor_util import global_flat_offset, local, wrap_like
-from veoptim.optim.fused_engine import DEFAULT_FUSED_CHUNK, Hyper, Scratch, UpdateBatch, adamw_update_
+from veoptim.optim.fused_engine import (
+    DEFAULT_FUSED_CHUNK,
+    Hyper,
+    Scratch,
+    UpdateBatch,
+    adamw_update_,
+)
 from veoptim.optim.offload import StagingBuffer, offload_update_
 from veoptim.optim.rounding import noise_key
 from veoptim.optim.state_check import ExpectedState, check_entry, check_groups, param_name
@@ -180,7 +186,9 @@ class ExactAdamW(Optimizer):
             return False
         if any(float(g["lr"]) != 0.0 for g in self.param_groups):
             return False
-        grads = [local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [
+            local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None
+        ]
         return bool(grads) and not any(bool(g.any()) for g in grads)
 
     def _real_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -246,9 +254,7 @@ class ExactAdamW(Optimizer):
                 staging = self._staging[device] = StagingBuffer(self.chunk_size, device)
             offload_update_(batch, hp, staging, self._host_scratch, self.stochastic_rounding)
         else:
-            adamw_update_(
-                batch, hp, self._scratch, self.fused_chunk_size, self.stochastic_rounding
-            )
+            adamw_update_(batch, hp, self._scratch, self.fused_chunk_size, self.stochastic_rounding)
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:

@@ -146,7 +146,9 @@ def adamw_update_(batch: UpdateBatch, hp: Hyper, scratch: Scratch, chunk: int, s
     for segs in plan_batches([m.numel() for m in batch.masters], chunk):
         total = sum(s.end - s.start for s in segs)
         masters = [batch.masters[s.index][s.start : s.end] for s in segs]
-        grads = _widen(scratch, "grad", [batch.grads[s.index][s.start : s.end] for s in segs], total)
+        grads = _widen(
+            scratch, "grad", [batch.grads[s.index][s.start : s.end] for s in segs], total
+        )
         m_store = [batch.exp_avgs[s.index][s.start : s.end] for s in segs]
         v_store = [batch.exp_avg_sqs[s.index][s.start : s.end] for s in segs]
         m32 = _widen(scratch, "exp_avg", m_store, total)
@@ -164,5 +166,7 @@ def adamw_update_(batch: UpdateBatch, hp: Hyper, scratch: Scratch, chunk: int, s
                 [masters[i] for i, _ in pairs],
                 stochastic=sr,
                 keys=[batch.sr_keys[s.index] for _, s in pairs] if sr else None,
-                first_indices=[batch.sr_offsets[s.index] + s.start for _, s in pairs] if sr else None,
+                first_indices=[batch.sr_offsets[s.index] + s.start for _, s in pairs]
+                if sr
+                else None,
             )

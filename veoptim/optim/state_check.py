@@ -24,7 +24,9 @@ class HasExpectedState(Protocol):
     def expected_state(self, param: torch.Tensor) -> ExpectedState: ...
 
 
-def expected_optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> ExpectedState:
+def expected_optimizer_state(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor
+) -> ExpectedState:
     """State keys, local shapes and dtypes ``optimizer`` keeps for ``param`` (all four types)."""
     fn = getattr(optimizer, "expected_state", None)
     if fn is None:
@@ -50,9 +52,7 @@ def check_groups(live: list[dict], saved: Any) -> None:
             )
 
 
-def check_entry(
-    name: str, param: torch.Tensor, entry: Any, expected: ExpectedState
-) -> None:
+def check_entry(name: str, param: torch.Tensor, entry: Any, expected: ExpectedState) -> None:
     """Raise CheckpointError unless ``entry`` holds exactly the expected tensors."""
     if not isinstance(entry, Mapping):
         raise CheckpointError(
