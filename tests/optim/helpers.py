@@ -64,7 +64,7 @@ def run_variant(
 ) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
     """Train ``make_params(dtype)`` for ``steps``; the first ``offload_first`` params are offloaded."""
     params = make_params(dtype)
-    groups = [{"params": params[offload_first:]}]
+    groups = [{"params": params[offload_first:]}] if offload_first < len(params) else []
     if offload_first:
         groups.insert(0, {"params": params[:offload_first], "cpu_offload": True})
     opt = factory(groups)
