@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.optim.helpers import HYPER, make_params, masters, run_variant, set_grads
+from tests.optim.helpers import HYPER, make_params, masters, run_variant
 from veoptim.config.schema import OptimConfig
 from veoptim.errors import ConfigError
 from veoptim.optim import (
@@ -23,7 +23,9 @@ ALL = len(make_params(torch.float32))
 
 
 def _offloaded(chunk: int, dtype: torch.dtype, **kw):
-    return run_variant(lambda g: CPUOffloadAdamW(g, chunk_size=chunk, **kw, **HYPER), STEPS, dtype, ALL)
+    return run_variant(
+        lambda g: CPUOffloadAdamW(g, chunk_size=chunk, **kw, **HYPER), STEPS, dtype, ALL
+    )
 
 
 def _same(a, b) -> bool:

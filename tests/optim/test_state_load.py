@@ -103,12 +103,16 @@ def test_mismatched_state_is_rejected_before_anything_changes(name, case):
     # loader that validates lazily, so "nothing changed" also catches partial loads.
     bad["state"][0] = {k: (v.clone() + 1 if k != STEP else v) for k, v in bad["state"][0].items()}
     before = _snapshot(params, opt)
-    groups_before = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    groups_before = copy.deepcopy(
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    )
     bad["param_groups"][0]["lr"] = 123.0
     with pytest.raises(CheckpointError, match=message):
         opt.load_state_dict(bad)
     assert _same(before, _snapshot(params, opt))
-    assert groups_before == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    assert groups_before == [
+        {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
