@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from callbacks.checkpoint import CheckpointCallback
+from callbacks.hf_export import HFExportCallback
 from callbacks.metrics import MetricsFileCallback, WandbCallback
 from callbacks.progress import ProgressCallback
 from callbacks.run_files import ResolvedConfigCallback
@@ -13,10 +15,15 @@ from veoptim.trainer import Callback
 
 def standard_callbacks(cfg: SFTConfig, resolved: dict[str, Any]) -> list[Callback]:
     """The callbacks every task uses, in hook order: run files, checkpoints, metrics, progress."""
-    callbacks: list[Callback] = [ResolvedConfigCallback(resolved)]
+    callbacks: list[Callback] = [
+        ResolvedConfigCallback(resolved),
+        CheckpointCallback(cfg.checkpoint),
+    ]
     callbacks += [MetricsFileCallback(cfg.logging), WandbCallback(cfg.logging, resolved)]
     if cfg.logging.progress:
         callbacks.append(ProgressCallback())
+    if cfg.checkpoint.hf_export.enabled:
+        callbacks.append(HFExportCallback(cfg.checkpoint))
     return callbacks
 
 

@@ -46,10 +46,11 @@ def time_minimal_loop(trainer: Trainer, steps: int) -> tuple[float, int]:
     start = time.perf_counter()
     for _ in range(steps):
         micro = [collate([dataset[i] for i in mb], pad_id) for mb in sampler.next_step()]
-        tokens += sum(int(b["attention_mask"].sum()) for b in micro)
+        tokens += sum(int((b["input_ids"] != pad_id).sum()) for b in micro)
         n_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
         for b in micro:
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            inputs = {k: v for k, v in b.items() if k != "labels"}
+            logits = model(**inputs, use_cache=False).logits
             (summed_token_loss(logits, b["labels"]) / n_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.cfg.train.grad_clip)
         opt.step()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from veoptim.data import IGNORE_INDEX
 
 
 def count_loss_tokens(labels: torch.Tensor) -> torch.Tensor:

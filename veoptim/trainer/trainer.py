@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from veoptim.checkpoint.checkpointer import TrainingState
 from veoptim.config.schema import SFTConfig
 from veoptim.data import GlobalBatchSampler, collate, load_sft_dataset, load_tokenizer
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
@@ -108,6 +109,20 @@ class Trainer:
             run_dir=Path(cfg.run.dir),
         )
 
+    def training_state(self) -> TrainingState:
+        """The stateful objects a checkpoint saves and restores, handed to the Checkpointer."""
+        return TrainingState(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            progress=self.progress,
+            layout=self.plan.layout_metadata(),
+            config=asdict(self.cfg),
+            device=self.ctx.device,
+            optimizer_name=self.cfg.optim.name,
+        )
+
     @property
     def last_step(self) -> int:
         """The step at which this process stops (``stop_at_step`` slices a longer run)."""
@@ -141,7 +156,7 @@ class Trainer:
         for indices in self.sampler.next_step():
             batch = collate([self.dataset[i] for i in indices], self.tokenizer.pad_token_id)
             loss_tokens += int(count_loss_tokens(batch["labels"]))
-            input_tokens += _real_tokens(batch)
+            input_tokens += int((batch["input_ids"] != self.tokenizer.pad_token_id).sum())
             micro_batches.append({k: v.to(self.ctx.device) for k, v in batch.items()})
         return StepBatch(micro_batches, loss_tokens, input_tokens)
 
@@ -161,7 +176,9 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for batch in step.micro_batches:
             inputs = {k: v for k, v in batch.items() if k != "labels"}
-            logits = self.model(**inputs).logits
+            # use_cache=False: a KV cache is useless in training and, with packing,
+            # transformers would skip the per-example attention masking.
+            logits = self.model(**inputs, use_cache=False).logits
             loss = summed_token_loss(logits, batch["labels"]) / global_loss_tokens
             loss.backward()
             loss_sum += loss.detach()
@@ -185,11 +202,3 @@ class Trainer:
             "tokens_seen": self.progress.tokens_seen,
             "step_time_s": elapsed,
         }
-
-
-def _real_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Non-padding input tokens of a collated batch (the attention mask's ones, or all of them)."""
-    mask = batch.get("attention_mask")
-    if mask is None or mask.dim() != 2:
-        return int(batch["input_ids"].numel())
-    return int(mask.sum())

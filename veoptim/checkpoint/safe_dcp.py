@@ -1,0 +1,106 @@
+"""DCP I/O that never executes a pickle from a checkpoint.
+
+Stock DCP unpickles ``.metadata`` with ``pickle.load`` and loads non-tensor
+("bytes") entries with ``torch.load(weights_only=False)``: a crafted checkpoint
+could run code. veoptim stores only tensors in DCP (every non-tensor value is
+JSON next to it), reads ``.metadata`` with an allow-list unpickler that can
+only rebuild DCP's own metadata classes, and refuses bytes entries.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+from veoptim.errors import CheckpointError
+
+#: (module, name) pairs the metadata unpickler may resolve; everything else is refused.
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    | {
+        ("torch", name)
+        for name in (
+            "Size",
+            "float32",
+            "bfloat16",
+            "float16",
+            "float64",
+            "int64",
+            "int32",
+            "int16",
+            "int8",
+            "uint8",
+            "bool",
+            "strided",
+        )
+    }  # fmt: skip
+    | {("torch._utils", "_get_layout")}
+    | {("torch.serialization", "_get_layout")}
+    | {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
+    | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, source: Path) -> None:
+        super().__init__(io.BytesIO(data))
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in ALLOWED_GLOBALS:
+            raise CheckpointError(
+                f"DCP metadata {self.source} references {module}.{name}, which is not a DCP "
+                "metadata type; refusing to unpickle it (the file is corrupt or malicious)."
+            )
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(dcp_dir: Path) -> Metadata:
+    """Read ``<dcp_dir>/.metadata`` safely; any problem is a CheckpointError naming the file."""
+    path = Path(dcp_dir) / ".metadata"
+    try:
+        metadata = _MetadataUnpickler(path.read_bytes(), path).load()
+    except CheckpointError:
+        raise
+    except Exception as error:  # truncated / garbage bytes raise many exception types
+        raise CheckpointError(f"DCP metadata {path} is unreadable: {error}.") from error
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"DCP metadata {path} holds {type(metadata).__name__}, not Metadata.")
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            raise CheckpointError(
+                f"DCP checkpoint {dcp_dir} stores non-tensor entry {key!r} as a pickle; veoptim "
+                "checkpoints keep non-tensor state in JSON and never unpickle it."
+            )
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A FileSystemReader whose metadata comes from :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError("per-rank DCP metadata files are not supported by veoptim.")
+        metadata = read_dcp_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
