@@ -96,6 +96,7 @@ class ExactAdamW(Optimizer):
         self._host_scratch = Scratch()
         self._staging: dict[torch.device, StagingBuffer] = {}
         self._unverified: set[torch.Tensor] = set()
+        self._ordinals: dict[int, int] = {}
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -110,6 +111,8 @@ class ExactAdamW(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        for p in group["params"]:
+            self._ordinals.setdefault(id(p), len(self._ordinals))
         if group[CPU_OFFLOAD] and not self.allows_offload:
             raise ConfigError(
                 f"{type(self).__name__} keeps all state on the device; cpu_offload groups need "
@@ -132,10 +135,6 @@ class ExactAdamW(Optimizer):
             if any(p is param for p in group["params"]):
                 return group
         raise KeyError(f"{self._name(param)} is not managed by this optimizer.")
-
-    def _ordinal(self, param: torch.Tensor) -> int:
-        flat = [p for g in self.param_groups for p in g["params"]]
-        return next(i for i, p in enumerate(flat) if p is param)
 
     @staticmethod
     def is_offloaded(group: Mapping[str, Any]) -> bool:
@@ -241,7 +240,7 @@ class ExactAdamW(Optimizer):
         if self.stochastic_rounding:
             steps = torch.stack([s.to(_HOST) for s in batch.steps]).tolist()
             for p, s in zip(params, steps, strict=True):
-                batch.sr_keys.append(noise_key(self.sr_seed, int(s), self._ordinal(p)))
+                batch.sr_keys.append(noise_key(self.sr_seed, int(s), self._ordinals[id(p)]))
                 batch.sr_offsets.append(global_flat_offset(p))
         beta1, beta2 = group["betas"]
         hp = Hyper(
