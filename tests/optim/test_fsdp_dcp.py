@@ -121,6 +121,20 @@ def _check_layout(model, opt, name: str) -> None:
             assert state[MASTER_WEIGHT].dtype == torch.float32
 
 
+NEGATIVE_CONTROL = "full_fp32_adamw-bf16"
+
+
+def _weights_only_differs(name: str, dtype: str, ckpt: str, rank: int, expected: dict) -> bool:
+    """Negative control: restoring only the model weights does not reproduce the next step."""
+    model, opt = _build(name, dtype, seed=1)
+    sd = {"model": get_model_state_dict(model)}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(model, sd["model"])
+    _train_step(model, opt, TRAIN_STEPS, rank)
+    got = _local_snapshot(model, opt)
+    return not all(torch.equal(expected[k], got[k]) for k in expected if not k.endswith(STEP))
+
+
 def _worker(rank: int, port: int, out: str, phase: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -162,6 +176,10 @@ def _worker(rank: int, port: int, out: str, phase: str) -> None:
                 got = _local_snapshot(model, opt)
                 assert expected.keys() == got.keys(), tag
                 result[tag] = all(torch.equal(expected[k], got[k]) for k in expected)
+                if tag == NEGATIVE_CONTROL:
+                    result["weights_only_differs"] = _weights_only_differs(
+                        name, dtype, ckpt, rank, expected
+                    )
         Path(out, f"{phase}.rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -180,4 +198,4 @@ def _spawn(out: Path, phase: str) -> dict[str, bool]:
 def test_fsdp2_dcp_resume_in_fresh_processes_is_bitwise(tmp_path):
     assert all(_spawn(tmp_path, "save").values())
     resumed = _spawn(tmp_path, "load")
-    assert resumed == {f"{n}-{d}": True for n, d in COMBOS}
+    assert resumed == {f"{n}-{d}": True for n, d in COMBOS} | {"weights_only_differs": True}
