@@ -35,9 +35,9 @@ def lr_factor(cfg: SchedulerConfig, max_steps: int, step: int) -> float:
         decay_start = max_steps - decay_steps
         if step < decay_start:
             return 1.0
-        progress = min(1.0, (step - decay_start) / decay_steps)
+        progress = min(1.0, (step - decay_start + 1) / decay_steps)
         return 1.0 - (1.0 - floor) * progress
-    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    progress = min(1.0, (step - warmup + 1) / max(1, max_steps - warmup))
     if cfg.name == "linear":
         return 1.0 - (1.0 - floor) * progress
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
