@@ -38,7 +38,7 @@ COMBOS = [
     (name, dtype)
     for name in ("adamw", "full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
     for dtype in ("fp32", "bf16")
-]
+] + [("full_fp32_adamw+sr", "bf16")]  # stochastic rounding on shards: global element offsets
 MOMENTS = {"master_fp32_adamw": "bf16"}
 
 
@@ -65,7 +65,8 @@ class _Net(torch.nn.Module):
         return self.head(x)
 
 
-def _build(name: str, dtype: str, seed: int):
+def _build(tag: str, dtype: str, seed: int):
+    name, stochastic = tag.removesuffix("+sr"), tag.endswith("+sr")
     torch.manual_seed(seed)
     model = _Net()
     if dtype == "bf16":
@@ -83,6 +84,7 @@ def _build(name: str, dtype: str, seed: int):
         moment_dtype=MOMENTS.get(name, "fp32"),
         cpu_offload_param_patterns=["mlp"],
         chunk_size=64,
+        stochastic_rounding=stochastic,
     )
     return model, build_optimizer(model, cfg)
 
@@ -113,7 +115,7 @@ def _check_layout(model, opt, name: str) -> None:
             if k == STEP:
                 continue
             assert isinstance(v, DTensor) and v.placements == p.placements, (n, k)
-            offloaded = name == "cpu_offload_adamw" and "mlp" in n
+            offloaded = name.startswith("cpu_offload_adamw") and "mlp" in n
             assert v.to_local().device.type == "cpu"
             if offloaded:
                 assert v.to_local().data_ptr() != p.to_local().data_ptr()
