@@ -69,8 +69,3 @@ def validate_config(cfg: SFTConfig) -> None:
         )
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas must be two values in [0, 1), got {list(cfg.optim.betas)}.")
-    if cfg.scheduler.warmup_steps > train.max_steps:
-        raise ConfigError(
-            f"scheduler.warmup_steps ({cfg.scheduler.warmup_steps}) must be <= train.max_steps "
-            f"({train.max_steps})."
-        )
