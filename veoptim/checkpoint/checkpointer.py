@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -47,6 +48,11 @@ from veoptim.distributed.layout import LayoutMetadata
 from veoptim.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+# DCP warns on every single-process save/load that it "assumes" one process: that is intended.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
 FaultHook = Callable[[str], None]
 PHASE_WRITE, PHASE_READ, PHASE_VALIDATE, PHASE_APPLY = "write", "read", "validate", "apply"

@@ -137,7 +137,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     if cfg.name == "adamw":
         return AdamW(groups, fused=cfg.fused and _fused_supported(groups), **common)
     exact: dict[str, Any] = dict(
-        stochastic_rounding=cfg.stochastic_rounding, chunk_size=cfg.chunk_size, **common
+        stochastic_rounding=cfg.stochastic_rounding,
+        sr_seed=cfg.sr_seed,
+        chunk_size=cfg.chunk_size,
+        **common,
     )
     if cfg.name == "full_fp32_adamw":
         return FullFP32AdamW(groups, **exact)
