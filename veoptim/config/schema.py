@@ -97,6 +97,7 @@ class OptimConfig:
     stochastic_rounding: bool = opt(
         False, "Write BF16 params from FP32 masters with stochastic rounding."
     )
+    sr_seed: int = opt(0, "Seed of the stochastic-rounding noise (reproducible across resumes).")
     moment_dtype: str = opt("fp32", "Moment dtype of the device-resident exact types: fp32 | bf16.")
     cpu_offload_param_patterns: list[str] = opt(
         [], "cpu_offload_adamw: regexes of parameters whose master and moments live in host memory."
