@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -55,6 +56,9 @@ warnings.filterwarnings(
 )
 
 FaultHook = Callable[[str], None]
+#: What a phase catches and turns into an agreed failure. DCP's CheckpointException
+#: derives from BaseException, so ``except Exception`` alone would let it escape.
+PHASE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 PHASE_WRITE, PHASE_READ, PHASE_VALIDATE, PHASE_APPLY = "write", "read", "validate", "apply"
 
 
@@ -120,13 +124,13 @@ class Checkpointer:
                 )
             else:
                 dcp.save(tensors, storage_writer=writer, process_group=self.group)
-        except Exception as exc:  # DCP raises on every rank when any rank's write fails
+        except PHASE_ERRORS as exc:  # DCP raises on every rank when any rank's write fails
             error = exc
         if error is None:
             try:
                 self._write_side_files(state, pending.path)
                 self._hook(PHASE_WRITE)
-            except Exception as exc:
+            except PHASE_ERRORS as exc:
                 error = exc
         if future is not None and error is None:
             self._in_flight = (pending, future)
@@ -144,7 +148,7 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             future.result()
-        except Exception as exc:
+        except PHASE_ERRORS as exc:
             error = exc
         return pending.finish(error)
 
@@ -186,7 +190,7 @@ class Checkpointer:
         try:
             plan = self._validate(state, path, load_optimizer)
             self._hook(PHASE_VALIDATE)
-        except Exception as exc:
+        except PHASE_ERRORS as exc:
             outcome = exc
         agree(outcome, f"validating checkpoint {path}", self.group)
         assert plan is not None
@@ -194,14 +198,14 @@ class Checkpointer:
         try:
             self._read(plan, path)
             self._hook(PHASE_READ)
-        except Exception as exc:
+        except PHASE_ERRORS as exc:
             outcome = exc
         agree(outcome, f"reading checkpoint {path}", self.group)
         outcome = True
         try:
             self._hook(PHASE_APPLY)
             self._apply(state, plan)
-        except Exception as exc:
+        except PHASE_ERRORS as exc:
             outcome = exc
         agree(outcome, f"applying checkpoint {path}", self.group)
         what = "model, optimizer, scheduler, data position and RNG" if load_optimizer else "model weights only (optimizer, scheduler and data position start fresh)"  # fmt: skip
@@ -314,5 +318,5 @@ def _dry_run_json_state(state: TrainingState, trainer_state: dict[str, Any], pat
 def _quietly_wait(future: Future) -> None:
     try:
         future.result()
-    except Exception as exc:  # the write already failed; this is only cleanup
+    except PHASE_ERRORS as exc:  # the write already failed; this is only cleanup
         log.debug("async checkpoint write also failed: %s", exc)

@@ -1,0 +1,253 @@
+"""Bad checkpoints fail closed: one clear CheckpointError, the live run bitwise unchanged (SPEC §5.3, §9).
+
+Each bad checkpoint is a real, validly *published* version (its manifest matches
+its files) whose content is wrong — what a buggy writer, another run or an attacker
+could leave behind — so the loader's own checks, not the manifest, must catch it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+from tests.checkpoint.ckpt_state import assert_bitwise_equal, build_trainer, snapshot
+from veoptim.checkpoint import Publisher, resolve, step_name
+from veoptim.checkpoint import format as F
+from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.layout import MANIFEST_FILE
+from veoptim.errors import CheckpointError
+from veoptim.trainer import Trainer
+
+GOOD = step_name(3)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, Trainer]:
+    """A good checkpoint at step 3, and the trainer that wrote it (for its tensors)."""
+    run_dir = tmp_path_factory.mktemp("saved")
+    trainer = build_trainer(run_dir)
+    for _ in range(3):
+        trainer.train_step()
+    Checkpointer(run_dir / "ckpt", fsync=False).save(trainer.training_state(), GOOD)
+    return run_dir / "ckpt", trainer
+
+
+@pytest.fixture
+def live(tmp_path) -> Trainer:
+    """The run a bad checkpoint is loaded into: one real step, so every state exists."""
+    trainer = build_trainer(tmp_path / "live")
+    trainer.train_step()
+    return trainer
+
+
+def republish(
+    root: Path,
+    name: str,
+    tensors: dict | None = None,
+    edit: Callable[[Path], None] | None = None,
+) -> None:
+    """Copy the good version's files under a new name, optionally rewrite DCP / edit files."""
+    source = resolve(root, GOOD)
+    with Publisher(root, fsync=False).write(name) as out:
+        for item in source.iterdir():
+            if item.name == MANIFEST_FILE or (tensors is not None and item.name == F.DCP_DIR):
+                continue
+            (shutil.copytree if item.is_dir() else shutil.copy2)(item, out / item.name)
+        if tensors is not None:
+            dcp.save(tensors, checkpoint_id=out / F.DCP_DIR)
+        if edit is not None:
+            edit(out)
+
+
+def tensors_of(trainer: Trainer) -> dict:
+    return {
+        F.MODEL_PREFIX: dict(get_model_state_dict(trainer.model)),
+        F.OPTIMIZER_PREFIX: get_optimizer_state_dict(trainer.model, trainer.optimizer)["state"],
+    }
+
+
+def assert_fails_closed(live: Trainer, root: Path, name: str, match: str, **kwargs) -> str:
+    before = snapshot(live)
+    with pytest.raises(CheckpointError, match=match) as info:
+        Checkpointer(root, fsync=False).load(live.training_state(), name, **kwargs)
+    assert_bitwise_equal(before, snapshot(live), "live state")
+    return str(info.value)
+
+
+def test_good_checkpoint_loads_into_a_fresh_run(saved, live):
+    root, writer = saved
+    Checkpointer(root).load(live.training_state(), GOOD)
+    assert live.progress.global_step == 3
+    assert_bitwise_equal(snapshot(writer)["params"], snapshot(live)["params"])
+    assert_bitwise_equal(snapshot(writer)["state"], snapshot(live)["state"])
+
+
+def test_missing_tensor(saved, live):
+    root, writer = saved
+    tensors = tensors_of(writer)
+    del tensors[F.MODEL_PREFIX]["lm_head.weight"]
+    republish(root, "missing_tensor", tensors)
+    message = assert_fails_closed(live, root, "missing_tensor", "missing 1 tensor")
+    assert "model.lm_head.weight" in message
+
+
+def test_missing_optimizer_state_key(saved, live):
+    root, writer = saved
+    tensors = tensors_of(writer)
+    del tensors[F.OPTIMIZER_PREFIX]["model.norm.weight"]["exp_avg_sq"]
+    republish(root, "missing_moment", tensors)
+    assert_fails_closed(live, root, "missing_moment", r"optimizer\.model\.norm\.weight\.exp_avg_sq")
+
+
+def test_extra_tensor(saved, live):
+    root, writer = saved
+    tensors = tensors_of(writer)
+    tensors[F.MODEL_PREFIX]["surprise.weight"] = torch.zeros(3)
+    republish(root, "extra_tensor", tensors)
+    assert_fails_closed(live, root, "extra_tensor", r"unexpected 1 tensor.*model\.surprise\.weight")
+
+
+def test_wrong_shape(saved, live):
+    root, writer = saved
+    tensors = tensors_of(writer)
+    tensors[F.MODEL_PREFIX]["model.norm.weight"] = torch.ones(65, dtype=torch.bfloat16)
+    republish(root, "wrong_shape", tensors)
+    assert_fails_closed(
+        live,
+        root,
+        "wrong_shape",
+        r"model\.norm\.weight \(expected \[64\] bfloat16, found \[65\] bfloat16\)",
+    )
+
+
+def test_bf16_rounded_masters_are_rejected_not_cast(saved, live):
+    root, writer = saved
+    tensors = tensors_of(writer)
+    for entry in tensors[F.OPTIMIZER_PREFIX].values():
+        entry["master_weight"] = entry["master_weight"].to(torch.bfloat16)
+    republish(root, "bf16_masters", tensors)
+    assert_fails_closed(
+        live, root, "bf16_masters", r"master_weight \(expected .* float32, found .* bfloat16\)"
+    )
+
+
+def test_truncated_shard_fails_in_the_read_phase(saved, live):
+    root, _ = saved
+
+    def truncate(out: Path) -> None:
+        shard = next((out / F.DCP_DIR).glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+    republish(root, "truncated", edit=truncate)
+    assert_fails_closed(live, root, "truncated", "reading checkpoint")
+
+
+def test_corrupted_metadata(saved, live):
+    root, _ = saved
+    republish(
+        root,
+        "bad_metadata",
+        edit=lambda out: (out / F.DCP_DIR / ".metadata").write_bytes(b"\x80\x04garbage"),
+    )
+    assert_fails_closed(live, root, "bad_metadata", "metadata .* unreadable")
+
+
+def test_published_version_without_manifest_is_incomplete(saved, live):
+    root, _ = saved
+    republish(root, "no_manifest")
+    (resolve(root, "no_manifest") / MANIFEST_FILE).unlink()
+    assert_fails_closed(live, root, "no_manifest", "manifest")
+
+
+def test_unknown_format_version(saved, live):
+    root, _ = saved
+
+    def bump(out: Path) -> None:
+        info = json.loads((out / F.INFO_FILE).read_text())
+        info[F.INFO_FORMAT_VERSION] = 99
+        (out / F.INFO_FILE).write_text(json.dumps(info))
+
+    republish(root, "future_format", edit=bump)
+    assert_fails_closed(live, root, "future_format", "format_version 99")
+
+
+def test_not_a_training_checkpoint(saved, live):
+    root, _ = saved
+    republish(root, "no_info", edit=lambda out: (out / F.INFO_FILE).unlink())
+    assert_fails_closed(live, root, "no_info", "checkpoint.json is missing")
+
+
+def test_other_expert_parallel_layout_rejects_optimizer_state(saved, live):
+    root, _ = saved
+
+    def other_layout(out: Path) -> None:
+        layout = json.loads((out / F.LAYOUT_FILE).read_text())
+        layout.update(ep_size=2, num_experts=4, expert_placement=[[0, 1], [2, 3]])
+        (out / F.LAYOUT_FILE).write_text(json.dumps(layout))
+
+    republish(root, "other_ep", edit=other_layout)
+    message = assert_fails_closed(live, root, "other_ep", "cannot be loaded into this run")
+    assert "load_optimizer=false" in message
+
+
+def test_pickle_payload_in_metadata_is_never_executed(saved, live, tmp_path):
+    root, _ = saved
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    republish(
+        root,
+        "pickle_payload",
+        edit=lambda out: (out / F.DCP_DIR / ".metadata").write_bytes(pickle.dumps(Payload())),
+    )
+    assert_fails_closed(live, root, "pickle_payload", "refusing to unpickle")
+    assert not marker.exists()
+
+
+def test_non_tensor_entry_in_dcp_is_refused(saved, live):
+    root, writer = saved
+    tensors = tensors_of(writer)
+    tensors[F.MODEL_PREFIX]["config_blob"] = {"an": "object"}
+    republish(root, "bytes_entry", tensors)
+    assert_fails_closed(live, root, "bytes_entry", "non-tensor entry")
+
+
+def test_malformed_sampler_state(saved, live):
+    root, _ = saved
+
+    def break_sampler(out: Path) -> None:
+        state = json.loads((out / F.TRAINER_STATE_FILE).read_text())
+        state[F.STATE_SAMPLER] = {"epoch": "soon"}
+        (out / F.TRAINER_STATE_FILE).write_text(json.dumps(state))
+
+    republish(root, "bad_sampler", edit=break_sampler)
+    assert_fails_closed(live, root, "bad_sampler", "validating checkpoint")
+
+
+def test_config_that_changes_the_run_is_reported(saved, tmp_path):
+    root, _ = saved
+    other = build_trainer(tmp_path / "other", ["train.max_steps=7"])
+    other.train_step()
+    message = assert_fails_closed(other, root, GOOD, "different config")
+    assert "train.max_steps: saved 6, live 7" in message
+    # Weights only: the schedule may change, only the model must match.
+    Checkpointer(root).load(other.training_state(), GOOD, load_optimizer=False)
+    assert other.progress.global_step == 1  # progress is not restored on a weights-only load
+
+
+def test_unknown_name_and_escaping_reference(saved, live):
+    root, _ = saved
+    assert_fails_closed(live, root, "no_such_checkpoint", "no_such_checkpoint")
+    assert_fails_closed(live, root, "../../etc", "")
