@@ -21,7 +21,7 @@ demo: setup
 	$(PY) -m tasks.sft
 
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest -q
 
 lint: setup
 	$(VENV)/bin/ruff check .

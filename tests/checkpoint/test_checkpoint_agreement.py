@@ -1,0 +1,102 @@
+"""Cross-rank agreement of training checkpoints (SPEC §5.4), on 2 real FSDP2 gloo ranks.
+
+A fault injected on one rank in any phase (write, publish, validate, read, apply)
+makes every rank raise the same CheckpointError naming that rank, promptly; a failed
+save leaves the previous checkpoint published, a failed validate/read leaves the live
+run bitwise unchanged on every rank. All scenarios share one spawn.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests.checkpoint.ckpt_state import assert_bitwise_equal, build_trainer, snapshot
+from tests.distributed.spawn import run_ranks
+from veoptim.checkpoint import latest_complete, step_name
+from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.errors import CheckpointError
+
+SAVE_FAULTS = {"write": 1, "before_manifest": 0, "before_replace": 0}
+LOAD_FAULTS = {"validate": 1, "read": 1, "apply": 1}
+UNCHANGED_AFTER = ("validate", "read")
+
+
+def _fault(phase: str, on_rank: int):
+    def hook(current: str) -> None:
+        if current == phase and dist.get_rank() == on_rank:
+            raise OSError(5, f"injected fault at {phase}")
+
+    return hook
+
+
+def _attempt(fn) -> tuple[str | None, float]:
+    start = time.monotonic()
+    try:
+        fn()
+    except CheckpointError as exc:
+        return str(exc), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def _scenarios(ctx, out: Path) -> dict:
+    trainer = build_trainer(out / "run", ["parallel=fsdp", "parallel.param_dtype=fp32"], ctx)
+    root = out / "ckpt"
+    trainer.train_step()
+    Checkpointer(root, fsync=False).save(trainer.training_state(), step_name(1))
+    trainer.train_step()
+    results: dict[str, dict] = {}
+    for phase, rank in SAVE_FAULTS.items():
+        saver = Checkpointer(root, fsync=False, fault_hook=_fault(phase, rank))
+        error, seconds = _attempt(lambda s=saver: s.save(trainer.training_state(), step_name(2)))
+        results[f"save:{phase}"] = {"error": error, "seconds": seconds,
+                                    "latest": latest_complete(root)}  # fmt: skip
+    for phase, rank in LOAD_FAULTS.items():
+        before = snapshot(trainer)
+        loader = Checkpointer(root, fsync=False, fault_hook=_fault(phase, rank))
+        error, seconds = _attempt(lambda ld=loader: ld.load(trainer.training_state(), step_name(1)))
+        try:
+            assert_bitwise_equal(before, snapshot(trainer))
+            unchanged = True
+        except AssertionError:
+            unchanged = False
+        results[f"load:{phase}"] = {"error": error, "seconds": seconds, "unchanged": unchanged}
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, results)
+    return {"ranks": gathered}
+
+
+@functools.cache
+def _results(tmp_root: str) -> list[dict]:
+    return run_ranks(2, _scenarios, Path(tmp_root))["ranks"]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return _results(str(tmp_path_factory.mktemp("agreement")))
+
+
+@pytest.mark.parametrize(
+    "scenario", [f"save:{p}" for p in SAVE_FAULTS] + [f"load:{p}" for p in LOAD_FAULTS]
+)
+def test_fault_on_one_rank_raises_the_same_error_on_every_rank(ranks, scenario):
+    phase = scenario.split(":")[1]
+    failing = SAVE_FAULTS.get(phase, LOAD_FAULTS.get(phase))
+    errors = [r[scenario]["error"] for r in ranks]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert f"rank {failing}" in errors[0] and f"injected fault at {phase}" in errors[0]
+    assert max(r[scenario]["seconds"] for r in ranks) < 60
+
+
+@pytest.mark.parametrize("phase", list(SAVE_FAULTS))
+def test_failed_save_keeps_the_previous_checkpoint_published(ranks, phase):
+    assert all(r[f"save:{phase}"]["latest"] == step_name(1) for r in ranks)
+
+
+@pytest.mark.parametrize("phase", UNCHANGED_AFTER)
+def test_failed_load_leaves_live_state_unchanged_on_every_rank(ranks, phase):
+    assert all(r[f"load:{phase}"]["unchanged"] for r in ranks)
