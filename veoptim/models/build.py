@@ -92,7 +92,9 @@ def build_model(
     if cfg.path:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path must be a local HF model directory with config.json; got {path}.")
+            raise ConfigError(
+                f"model.path must be a local HF model directory with config.json; got {path}."
+            )
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         return model
     hf_config = _hf_config(cfg, vocab_size, special_tokens or {})
