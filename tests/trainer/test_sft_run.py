@@ -172,3 +172,9 @@ def test_cli_bad_override_fails_with_one_clear_message(tmp_path):
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "train.global_batch_size" in output and "Traceback" not in output
+
+
+def test_wandb_offline_logs_inside_run_dir(tiny_overrides, tmp_path):
+    run_sft(compose_sft(tiny_overrides + ["logging.wandb.mode=offline"]))
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))

@@ -1,0 +1,72 @@
+"""Hugging Face export: transformers loads it and reproduces the trained model's logits (SPEC §5.6)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from callbacks.hf_export import EXPORTS_SUBDIR, HF_EXPORT_NAME, HFExportCallback
+from tests.checkpoint.ckpt_state import build_trainer
+from veoptim.checkpoint import resolve
+from veoptim.checkpoint.hf_export import SAFETENSORS_INDEX_FILE
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    trainer = build_trainer(
+        tmp_path_factory.mktemp("hf"), ["model.dtype=fp32", "train.max_steps=2"]
+    )
+    trainer.train()
+    return trainer
+
+
+def _export(trainer, dtype: str, shard_mb: int = 2048):
+    trainer.cfg.checkpoint.hf_export.dtype = dtype
+    trainer.cfg.checkpoint.hf_export.max_shard_size_mb = shard_mb
+    HFExportCallback(trainer.cfg.checkpoint).on_train_end(trainer)
+    return resolve(trainer.run_dir / EXPORTS_SUBDIR, HF_EXPORT_NAME)
+
+
+def _logits(model, tokenizer) -> torch.Tensor:
+    ids = tokenizer("What is 12+30?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "preserve"])
+def test_export_reproduces_logits_exactly(trained, dtype):
+    path = _export(trained, dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    trained.model.eval()
+    assert torch.equal(_logits(loaded, tokenizer), _logits(trained.model, tokenizer))
+
+
+def test_bf16_export_is_bf16_and_close(trained):
+    path = _export(trained, "bf16")
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    torch.testing.assert_close(
+        _logits(loaded, tokenizer).float(), _logits(trained.model, tokenizer), atol=0.1, rtol=0.05
+    )
+
+
+def test_large_export_is_sharded_with_an_index(trained):
+    path = _export(trained, "fp32", shard_mb=0)  # every tensor its own shard
+    index = json.loads((path / SAFETENSORS_INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert torch.equal(_logits(loaded, tokenizer), _logits(trained.model, tokenizer))
+
+
+def test_unfinished_run_writes_no_export(tmp_path):
+    trainer = build_trainer(tmp_path, ["train.stop_at_step=1"])
+    trainer.train()
+    HFExportCallback(trainer.cfg.checkpoint).on_train_end(trainer)
+    assert not (trainer.run_dir / EXPORTS_SUBDIR).exists()
