@@ -250,4 +250,5 @@ def test_config_that_changes_the_run_is_reported(saved, tmp_path):
 def test_unknown_name_and_escaping_reference(saved, live):
     root, _ = saved
     assert_fails_closed(live, root, "no_such_checkpoint", "no_such_checkpoint")
-    assert_fails_closed(live, root, "../../etc", "")
+    # Not a name, so a path: an explicit user path is allowed, but this is no checkpoint.
+    assert_fails_closed(live, root, "../../etc", "checkpoint.json is missing")

@@ -15,6 +15,7 @@ from callbacks.metrics import METRIC_KEYS
 from tasks.runner import run_sft
 from tests.conftest import REPO, compose_sft
 from veoptim.config import to_sft_config
+from veoptim.data import bundled_sample_path
 from veoptim.distributed import init_distributed
 from veoptim.trainer import Callback, Trainer
 
@@ -73,7 +74,8 @@ def _trainer(overrides: list[str], callbacks=()) -> Trainer:
 
 def test_hooks_called_in_order_with_epochs(tiny_overrides):
     recorder = HookRecorder()
-    trainer = _trainer(tiny_overrides, [recorder])
+    small = f"data.train_path={bundled_sample_path()}"  # 8 examples: 2 steps per epoch
+    trainer = _trainer(tiny_overrides + [small], [recorder])
     steps_per_epoch = trainer.sampler.steps_per_epoch
     trainer.cfg.train.max_steps = steps_per_epoch + 1
     trainer.train()
