@@ -125,7 +125,7 @@ class Checkpointer:
             else:
                 dcp.save(tensors, storage_writer=writer, process_group=self.group)
         except PHASE_ERRORS as exc:  # DCP raises on every rank when any rank's write fails
-            error = exc
+            error = readable(exc)
         if error is None:
             try:
                 self._write_side_files(state, pending.path)
@@ -149,7 +149,7 @@ class Checkpointer:
         try:
             future.result()
         except PHASE_ERRORS as exc:
-            error = exc
+            error = readable(exc)
         return pending.finish(error)
 
     def _write_side_files(self, state: TrainingState, path: Path) -> None:
@@ -199,7 +199,7 @@ class Checkpointer:
             self._read(plan, path)
             self._hook(PHASE_READ)
         except PHASE_ERRORS as exc:
-            outcome = exc
+            outcome = readable(exc)
         agree(outcome, f"reading checkpoint {path}", self.group)
         outcome = True
         try:
@@ -313,6 +313,23 @@ def _dry_run_json_state(state: TrainingState, trainer_state: dict[str, Any], pat
             f"optimizer param groups in {path / F.TRAINER_STATE_FILE}: expected {live_groups} "
             f"groups, found {len(saved_groups) if isinstance(saved_groups, list) else saved_groups!r}."
         )
+
+
+def readable(error: BaseException) -> BaseException:
+    """DCP's CheckpointException as a CheckpointError naming each failing rank's own cause.
+
+    Its text is whole tracebacks, so the agreed message (causes are cut at a few hundred
+    characters) would otherwise lose the actual cause, e.g. ``ENOSPC`` on rank 1.
+    """
+    if not isinstance(error, CheckpointException):
+        return error
+    causes = "; ".join(
+        f"rank {rank}: {type(cause).__name__}: {cause}"
+        for rank, (cause, _trace) in sorted(error.failures.items())
+    )
+    readable_error = CheckpointError(f"DCP failed on {causes or 'an unknown rank'}")
+    readable_error.__cause__ = error  # keep DCP's tracebacks for the logs
+    return readable_error
 
 
 def _quietly_wait(future: Future) -> None:
