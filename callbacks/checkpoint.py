@@ -78,10 +78,17 @@ class CheckpointCallback(Callback):
             self._save(trainer)
 
     def on_train_end(self, trainer: Trainer) -> None:
-        if self.cfg.save_at_end:
+        sliced = trainer.progress.global_step == trainer.cfg.train.stop_at_step
+        if self.cfg.save_at_end or sliced:  # a time slice always saves: it will be resumed
             self._save(trainer)
         assert self.checkpointer is not None
         self._announce(trainer, self.checkpointer.wait())
+
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        if self.checkpointer is not None:
+            dropped = self.checkpointer.abandon()
+            if dropped is not None:
+                log.warning("async checkpoint %s was not published: training failed", dropped)
 
     def _save(self, trainer: Trainer) -> None:
         assert self.checkpointer is not None

@@ -180,3 +180,14 @@ def test_wandb_offline_logs_inside_run_dir(tiny_overrides, tmp_path):
     run_sft(compose_sft(tiny_overrides + ["logging.wandb.mode=offline"]))
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+
+
+def test_stop_at_step_saves_even_without_save_at_end(tiny_overrides, tmp_path):
+    run_sft(
+        compose_sft(
+            tiny_overrides
+            + ["train.max_steps=4", "train.stop_at_step=2", "checkpoint.save_at_end=false"]
+        )
+    )
+    assert (tmp_path / "run" / "checkpoints" / "step_00000002").is_symlink()
+    assert not (tmp_path / "run" / "checkpoints" / "step_00000004").exists()

@@ -152,6 +152,17 @@ class Checkpointer:
             error = readable(exc)
         return pending.finish(error)
 
+    def abandon(self) -> str | None:
+        """Drop the in-flight async save without publishing it (training failed; peers may be
+        gone, so no collective is attempted). Its directory is removed."""
+        if self._in_flight is None:
+            return None
+        pending, future = self._in_flight
+        self._in_flight = None
+        _quietly_wait(future)
+        pending.discard()
+        return pending.name
+
     def _write_side_files(self, state: TrainingState, path: Path) -> None:
         """JSON/YAML next to the DCP shards: rank 0 writes the shared ones, each rank its RNG."""
         rng_dir = path / F.RNG_DIR

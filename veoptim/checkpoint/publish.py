@@ -157,6 +157,12 @@ class PendingVersion:
             pub._retention(result)
         return result
 
+    def discard(self) -> None:
+        """Give up without agreement (training failed, peers may be gone): never published;
+        rank 0 removes the directory now, other ranks' leftovers go at the next save."""
+        self._finished = True
+        self._discard()
+
     def _discard(self) -> None:
         """Rank 0: remove this unpublished version (best-effort; never a published one)."""
         pub = self.publisher

@@ -137,7 +137,7 @@ class CheckpointConfig:
     root: str = opt("", "Checkpoint root; empty = <run.dir>/checkpoints.")
     save_steps: int = opt(0, "Save every N optimizer steps (0 = off).")
     save_epochs: int = opt(0, "Save every N epochs (0 = off).")
-    save_at_end: bool = opt(True, "Save when training ends (and at train.stop_at_step).")
+    save_at_end: bool = opt(True, "Save when training ends (train.stop_at_step always saves).")
     keep_last: int = opt(0, "Keep only the newest N published checkpoints (0 = keep all).")
     fsync: bool = opt(True, "fsync files and directories before publishing.")
     async_save: bool = opt(False, "Save with dcp.async_save on a dedicated process group.")
