@@ -1,0 +1,372 @@
+"""Checkpoint I/O: save/load GB/s vs raw sequential I/O, publication overhead, resume RSS.
+
+One run, one directory (default: a fresh temporary directory under ``--dir`` or the
+system temp dir; the JSON says whether it is on the repo's disk). The benchmark
+starts two subprocesses from the same config (``--size-mb`` of checkpoint: a
+bigger dense Qwen2, ``model.dtype=bf16``, ``optim=full_fp32_adamw`` — BF16
+parameters plus FP32 masters and moments):
+
+- ``train``: builds the Trainer through the normal config path, runs ``--steps``
+  real steps (peak RSS of training), then ``--repeats`` times: a raw sequential
+  write of the checkpoint's byte count (one file, fsync) and ``Checkpointer.save``
+  with ``fsync=True``, interleaved. The checkpointer's phase hooks time each part:
+  ``write`` (state dicts, DCP shards fsynced by DCP, JSON side files) and
+  ``publish`` (fsync pass, manifest, directory fsyncs, link replace, retention);
+  ``publication_overhead`` = publish / whole save.
+- ``resume``: builds the same Trainer and resumes with ``Checkpointer.load`` (peak
+  RSS of resume, taken right after this first load), then more loads interleaved
+  with raw sequential reads of the same byte count. Before every read the files are
+  evicted from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (only this
+  benchmark's files; the global ``drop_caches`` is not touched on a shared machine).
+
+GB/s figures are best-of-repeats (1 GB = 1e9 bytes); the first load into the fresh
+process is reported apart. Prints one JSON line. Targets: ``resume_rss_ratio <= 1.05``;
+save/load vs raw I/O and publication overhead are reported (SPEC §10 sets no bar).
+On a CPU shared with other jobs, ``--threads 1`` avoids OpenMP stalls in copies.
+
+    .venv/bin/python scripts/bench/checkpoint_io.py [--size-mb 100] [--repeats 5] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKPOINT_PREFIX = "bench_"
+RAW_FILE = "raw_sequential.bin"
+RAW_CHUNK = 8 << 20  # bytes per write()/readinto() of the raw baseline
+HEAD_DIM = 64
+LAYERS = 4
+VOCAB_ESTIMATE = 512  # the bundled tokenizer; sizing only, the JSON reports measured bytes
+BYTES_PER_PARAM = 14  # BF16 parameter + FP32 master, exp_avg, exp_avg_sq
+FIXED_OVERRIDES = (
+    "run.device=cpu",
+    "logging.progress=false",
+    "optim=full_fp32_adamw",
+    "model.dtype=bf16",
+    "train.max_steps=1000",
+    f"model.num_hidden_layers={LAYERS}",
+)
+TARGET_RESUME_RSS_RATIO = 1.05
+
+
+# --------------------------------------------------------------------- sizing
+def _params(hidden: int, inter: int, vocab: int = VOCAB_ESTIMATE) -> int:
+    heads = hidden // HEAD_DIM
+    kv = heads // 2
+    attn = 2 * hidden * hidden + hidden + 2 * (hidden * kv * HEAD_DIM + kv * HEAD_DIM)
+    return LAYERS * (attn + 3 * hidden * inter + 2 * hidden) + 2 * vocab * hidden + hidden
+
+
+def model_overrides(size_mb: float) -> list[str]:
+    """The widest model (hidden a multiple of 128, MLP >= 2x hidden) of ~``size_mb`` state."""
+    target = size_mb * 1e6 / BYTES_PER_PARAM
+    best = (128, 256)
+    for hidden in range(128, 8192, 128):
+        inter = int((target - _params(hidden, 0)) / (3 * LAYERS * hidden)) // 64 * 64
+        if inter < 2 * hidden:
+            break
+        best = (hidden, inter)
+    hidden, inter = best
+    heads = hidden // HEAD_DIM
+    return [
+        f"model.hidden_size={hidden}",
+        f"model.intermediate_size={inter}",
+        f"model.num_attention_heads={heads}",
+        f"model.num_key_value_heads={heads // 2}",
+    ]
+
+
+# ----------------------------------------------------------------- utilities
+def peak_rss_mb() -> float:
+    """Peak resident set of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def evict(path: Path) -> None:
+    """Drop clean page-cache pages of every file under ``path`` (written and fsynced)."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_write(path: Path, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` sequentially into a new file and fsync it."""
+    chunk = os.urandom(RAW_CHUNK)  # incompressible, generated outside the timing
+    path.unlink(missing_ok=True)
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(memoryview(chunk)[: min(left, RAW_CHUNK)])
+        os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def raw_read(path: Path) -> tuple[float, int]:
+    """Seconds and bytes of one sequential read of ``path`` into a reused buffer."""
+    buffer = bytearray(RAW_CHUNK)
+    total = 0
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            total += n
+    return time.perf_counter() - start, total
+
+
+def build_trainer(overrides: list[str], run_dir: Path, threads: int = 0):
+    import torch
+
+    from tasks.compose import compose_config
+    from veoptim.config import to_sft_config
+    from veoptim.distributed import init_distributed
+    from veoptim.trainer import Trainer
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = to_sft_config(compose_config("sft", [*overrides, f"run.dir={run_dir}"]))
+    return Trainer.from_config(cfg, init_distributed("cpu", "auto", {}))
+
+
+def version_bytes(version_dir: Path) -> int:
+    return sum(p.stat().st_size for p in version_dir.rglob("*") if p.is_file())
+
+
+# ------------------------------------------------------------------ train role
+class PhaseClock:
+    """Publisher/Checkpointer fault hook used as a stopwatch: phase name -> perf_counter."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+
+    def __call__(self, phase: str) -> None:
+        self.marks[phase] = time.perf_counter()
+
+
+def save_breakdown(clock: PhaseClock, start: float, end: float) -> dict[str, float]:
+    """Seconds per save part; ``publish`` is everything after the data and side files."""
+    m = clock.marks
+    return {
+        "total_s": end - start,
+        "prepare_s": m["prepared"] - start,
+        "write_s": m["write"] - m["prepared"],  # state dicts, DCP shards (fsynced), side files
+        "publish_s": end - m["write"],
+        "publish_file_fsync_s": m["before_manifest"] - m["written"],
+        "publish_manifest_s": m["after_manifest"] - m["before_manifest"],
+        "publish_link_s": m["after_replace"] - m["after_manifest"],
+        "publish_tail_s": end - m["after_replace"],  # root fsync, retention
+    }
+
+
+def load_breakdown(clock: PhaseClock, start: float, end: float) -> dict[str, float]:
+    """Seconds per load phase: resolve + validate, DCP read into staging, apply to live state."""
+    m = clock.marks
+    return {
+        "total_s": end - start,
+        "validate_s": m["validate"] - start,
+        "read_s": m["read"] - m["validate"],
+        "apply_s": end - m["apply"],
+    }
+
+
+def role_train(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    from veoptim.checkpoint.checkpointer import Checkpointer
+
+    work = Path(args.workdir)
+    trainer = build_trainer(overrides, work / "run", args.threads)
+    built_rss = current_rss_mb()
+    trainer.model.train()
+    for _ in range(args.steps):
+        trainer.train_step()
+    train_peak = peak_rss_mb()
+    params = sum(p.numel() for p in trainer.model.parameters())
+    clock = PhaseClock()
+    checkpointer = Checkpointer(work / "checkpoints", fsync=True, fault_hook=clock)
+    state = trainer.training_state()
+    saves, raws, nbytes = [], [], 0
+    for r in range(args.repeats):
+        if nbytes:
+            raws.append(raw_write(work / RAW_FILE, nbytes))
+        clock.marks.clear()
+        start = time.perf_counter()
+        published = checkpointer.save(state, f"{CHECKPOINT_PREFIX}{r}")
+        saves.append(save_breakdown(clock, start, time.perf_counter()))
+        nbytes = version_bytes(published.path)
+    raws.append(raw_write(work / RAW_FILE, nbytes))
+    return {
+        "params": params,
+        "checkpoint_bytes": nbytes,
+        "built_rss_mb": built_rss,
+        "train_peak_rss_mb": train_peak,
+        "train_peak_rss_with_saves_mb": peak_rss_mb(),
+        "saves": saves,
+        "raw_write_s": raws,
+    }
+
+
+# ----------------------------------------------------------------- resume role
+def role_resume(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    from veoptim.checkpoint.checkpointer import Checkpointer
+
+    work = Path(args.workdir)
+    name = f"{CHECKPOINT_PREFIX}{args.repeats - 1}"
+    trainer = build_trainer(overrides, work / "run", args.threads)
+    built_rss = current_rss_mb()
+    clock = PhaseClock()
+    checkpointer = Checkpointer(work / "checkpoints", fsync=True, fault_hook=clock)
+    version = (work / "checkpoints" / name).resolve()
+
+    def timed_load() -> dict[str, float]:
+        evict(version)
+        clock.marks.clear()
+        start = time.perf_counter()
+        checkpointer.load(trainer.training_state(), name)
+        return load_breakdown(clock, start, time.perf_counter())
+
+    loads = [timed_load()]  # the resume: first load into a fresh process
+    resume_peak = peak_rss_mb()
+    after_load_rss = current_rss_mb()
+    step = trainer.progress.global_step
+    raws, read_bytes = [], 0
+    for _ in range(args.repeats):
+        evict(work / RAW_FILE)
+        seconds, read_bytes = raw_read(work / RAW_FILE)
+        raws.append(seconds)
+        loads.append(timed_load())
+    warm_raw, _ = raw_read(work / RAW_FILE)  # the file is now cached: shows what eviction buys
+    return {
+        "resumed_step": step,
+        "built_rss_mb": built_rss,
+        "resume_peak_rss_mb": resume_peak,
+        "after_load_rss_mb": after_load_rss,
+        "peak_rss_after_repeat_loads_mb": peak_rss_mb(),
+        "loads": loads,
+        "raw_read_s": raws,
+        "raw_read_bytes": read_bytes,
+        "raw_read_warm_s": warm_raw,
+    }
+
+
+# --------------------------------------------------------------- orchestrator
+def run_role(role: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Run one role in a fresh interpreter (its own ru_maxrss); returns its JSON line."""
+    cmd = [sys.executable, __file__, "--role", role, "--workdir", str(workdir),
+           "--size-mb", str(args.size_mb), "--repeats", str(args.repeats),
+           "--steps", str(args.steps), "--threads", str(args.threads)]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{role} subprocess failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def summarize(
+    args: argparse.Namespace, workdir: Path, train: dict, resume: dict, load_start: float
+) -> dict:
+    nbytes = train["checkpoint_bytes"]
+    best_save = min(train["saves"], key=lambda s: s["total_s"])
+    save_gbps, raw_w = gbps(nbytes, best_save["total_s"]), gbps(nbytes, min(train["raw_write_s"]))
+    first_load, *repeat_loads = resume["loads"]
+    best_load = min(repeat_loads, key=lambda s: s["total_s"])
+    load_gbps, raw_r = gbps(nbytes, best_load["total_s"]), gbps(nbytes, min(resume["raw_read_s"]))
+    train_growth = train["train_peak_rss_mb"] - train["built_rss_mb"]
+    resume_growth = resume["resume_peak_rss_mb"] - resume["built_rss_mb"]
+    return {
+        "bench": "checkpoint_io",
+        "dir": str(workdir),
+        "same_device_as_repo": os.stat(workdir).st_dev == os.stat(REPO).st_dev,
+        "model_overrides": model_overrides(args.size_mb),
+        "optimizer": "full_fp32_adamw (bf16 params, fp32 master + moments)",
+        "params": train["params"],
+        "checkpoint_bytes": nbytes,
+        "repeats": args.repeats,
+        "save_GBps": save_gbps,
+        "raw_write_fsync_GBps": raw_w,
+        "save_vs_raw_write": round(save_gbps / raw_w, 3),
+        "load_GBps": load_gbps,
+        "first_load_in_fresh_process_GBps": gbps(nbytes, first_load["total_s"]),
+        "raw_read_GBps": raw_r,
+        "raw_read_warm_cache_GBps": gbps(nbytes, resume["raw_read_warm_s"]),
+        "load_vs_raw_read": round(load_gbps / raw_r, 3),
+        "caches_dropped": False,
+        "page_cache": "per-file posix_fadvise(DONTNEED) before every timed read (no global drop)",
+        "save_breakdown_s": {k: round(v, 4) for k, v in best_save.items()},
+        "load_breakdown_s": {k: round(v, 4) for k, v in best_load.items()},
+        "first_load_breakdown_s": {k: round(v, 4) for k, v in first_load.items()},
+        "publication_overhead": round(best_save["publish_s"] / best_save["total_s"], 4),
+        "publication_overhead_median": round(
+            median(s["publish_s"] for s in train["saves"])
+            / median(s["total_s"] for s in train["saves"]),
+            4,
+        ),
+        "resumed_step": resume["resumed_step"],
+        "train_peak_rss_mb": round(train["train_peak_rss_mb"], 1),
+        "train_peak_rss_with_saves_mb": round(train["train_peak_rss_with_saves_mb"], 1),
+        "resume_peak_rss_mb": round(resume["resume_peak_rss_mb"], 1),
+        "resume_rss_ratio": round(resume["resume_peak_rss_mb"] / train["train_peak_rss_mb"], 3),
+        "rss_after_build_mb": {
+            "train": round(train["built_rss_mb"], 1),
+            "resume": round(resume["built_rss_mb"], 1),
+        },  # fmt: skip
+        "rss_growth_over_build_ratio": round(resume_growth / train_growth, 3),
+        "target_resume_rss_ratio": f"<= {TARGET_RESUME_RSS_RATIO}",
+        "loadavg_1min_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+        "cpus": os.cpu_count(),
+        "torch_threads": args.threads or "default",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=100.0, help="checkpoint size to aim at")
+    parser.add_argument("--repeats", type=int, default=5, help="timed saves / loads (best kept)")
+    parser.add_argument("--steps", type=int, default=1, help="training steps before saving")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--dir", default=None, help="parent of the work dir (default: temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir")
+    parser.add_argument("--role", choices=("train", "resume"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    overrides = [*FIXED_OVERRIDES, *model_overrides(args.size_mb)]
+    if args.role is not None:
+        role = role_train if args.role == "train" else role_resume
+        print(json.dumps(role(args, overrides)))
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="veoptim-ckpt-bench-", dir=args.dir))
+    load_start = os.getloadavg()[0]  # other jobs on the machine skew every figure
+    try:
+        train = run_role("train", args, workdir)
+        resume = run_role("resume", args, workdir)
+        print(json.dumps(summarize(args, workdir, train, resume, load_start)))
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
