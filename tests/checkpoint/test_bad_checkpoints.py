@@ -252,3 +252,15 @@ def test_unknown_name_and_escaping_reference(saved, live):
     assert_fails_closed(live, root, "no_such_checkpoint", "no_such_checkpoint")
     # Not a name, so a path: an explicit user path is allowed, but this is no checkpoint.
     assert_fails_closed(live, root, "../../etc", "checkpoint.json is missing")
+
+
+def test_load_into_a_fresh_run_skips_dcps_placeholder_step(saved, tmp_path):
+    """No zero grads, no placeholder masters/moments: resume memory stays at training level."""
+    root, writer = saved
+    fresh = build_trainer(tmp_path / "fresh")
+    assert not fresh.optimizer.state
+    steps: list[int] = []
+    fresh.optimizer.register_step_pre_hook(lambda *args: steps.append(1))
+    Checkpointer(root).load(fresh.training_state(), GOOD)
+    assert steps == [], "DCP's zero-LR init step ran and allocated placeholder state"
+    assert_bitwise_equal(snapshot(writer)["state"], snapshot(fresh)["state"])

@@ -36,6 +36,7 @@ from veoptim.checkpoint.inventory import (
     compare_inventory,
     model_inventory,
     optimizer_inventory,
+    trainable_named_params,
 )
 from veoptim.checkpoint.manifest import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
@@ -282,9 +283,23 @@ class Checkpointer:
         for group in groups:
             if "betas" in group:
                 group["betas"] = tuple(group["betas"])
-        set_optimizer_state_dict(
-            state.model, state.optimizer, {"state": plan.optimizer, "param_groups": groups}
-        )
+        optimizer = state.optimizer
+        # A fresh optimizer has no state, so set_optimizer_state_dict would first run DCP's
+        # zero-LR "init" step, allocating zero grads and placeholder masters/moments next to
+        # the staged ones (resume peak memory above training's). Seeding the state with the
+        # staged tensors skips that step; load_state_dict then validates and installs them.
+        seeded = not optimizer.state
+        if seeded:
+            for fqn, param in trainable_named_params(state.model, optimizer):
+                optimizer.state[param] = plan.optimizer[fqn]
+        try:
+            set_optimizer_state_dict(
+                state.model, optimizer, {"state": plan.optimizer, "param_groups": groups}
+            )
+        except BaseException:
+            if seeded:
+                optimizer.state.clear()
+            raise
         state.scheduler.load_state_dict(ts[F.STATE_SCHEDULER])
         state.sampler.load_state_dict(ts[F.STATE_SAMPLER])
         state.progress.load_state_dict(ts[F.STATE_PROGRESS])
