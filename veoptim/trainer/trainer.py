@@ -84,7 +84,7 @@ class Trainer:
         plan = build_parallel_plan(
             cfg.parallel, ctx, num_experts=getattr(model.config, "num_experts", 0) or 0
         )
-        model = plan.apply(model.to(ctx.device))
+        model = plan.apply(model)  # moves the model to ctx.device, then shards it
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps)
         sampler = GlobalBatchSampler(
