@@ -69,9 +69,11 @@ def republish(
 
 
 def tensors_of(trainer: Trainer) -> dict:
+    """The writer's tensors in fresh containers (DCP hands out the optimizer's own dicts)."""
+    state = get_optimizer_state_dict(trainer.model, trainer.optimizer)["state"]
     return {
         F.MODEL_PREFIX: dict(get_model_state_dict(trainer.model)),
-        F.OPTIMIZER_PREFIX: get_optimizer_state_dict(trainer.model, trainer.optimizer)["state"],
+        F.OPTIMIZER_PREFIX: {fqn: dict(entry) for fqn, entry in state.items()},
     }
 
 

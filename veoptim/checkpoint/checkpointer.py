@@ -10,6 +10,7 @@ failed load leaves them bitwise unchanged. See ``docs/checkpoints.md``.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import warnings
@@ -111,9 +112,10 @@ class Checkpointer:
         self.wait()
         step = state.progress.global_step
         pending = self.publisher.begin(name, kind=KIND_CHECKPOINT, step=step)
+        optimizer_state = get_optimizer_state_dict(state.model, state.optimizer)
         tensors = {
             F.MODEL_PREFIX: get_model_state_dict(state.model),
-            F.OPTIMIZER_PREFIX: get_optimizer_state_dict(state.model, state.optimizer)["state"],
+            F.OPTIMIZER_PREFIX: optimizer_state["state"],
         }
         writer = FileSystemWriter(pending.path / F.DCP_DIR, sync_files=self.fsync)
         future: Future | None = None
@@ -129,7 +131,7 @@ class Checkpointer:
             error = readable(exc)
         if error is None:
             try:
-                self._write_side_files(state, pending.path)
+                self._write_side_files(state, optimizer_state["param_groups"], pending.path)
                 self._hook(PHASE_WRITE)
             except PHASE_ERRORS as exc:
                 error = exc
@@ -164,7 +166,9 @@ class Checkpointer:
         pending.discard()
         return pending.name
 
-    def _write_side_files(self, state: TrainingState, path: Path) -> None:
+    def _write_side_files(
+        self, state: TrainingState, param_groups: list[dict[str, Any]], path: Path
+    ) -> None:
         """JSON/YAML next to the DCP shards: rank 0 writes the shared ones, each rank its RNG."""
         rng_dir = path / F.RNG_DIR
         rng_dir.mkdir(exist_ok=True)
@@ -172,12 +176,11 @@ class Checkpointer:
         rng_file.write_text(json.dumps(capture_rng(state.device)))
         if rank(self.group) != 0:
             return
-        groups = get_optimizer_state_dict(state.model, state.optimizer)["param_groups"]
         trainer_state = {
             F.STATE_PROGRESS: state.progress.state_dict(),
             F.STATE_SAMPLER: state.sampler.state_dict(),
             F.STATE_SCHEDULER: state.scheduler.state_dict(),
-            F.STATE_PARAM_GROUPS: to_json_param_groups(groups),
+            F.STATE_PARAM_GROUPS: to_json_param_groups(param_groups),
         }
         info = {
             F.INFO_FORMAT: F.CHECKPOINT_FORMAT,
@@ -320,8 +323,6 @@ class _LoadPlan:
 
 def _dry_run_json_state(state: TrainingState, trainer_state: dict[str, Any], path: Path) -> None:
     """Load the JSON state into throwaway copies so malformed state fails before mutation."""
-    import copy
-
     copy.deepcopy(state.sampler).load_state_dict(trainer_state[F.STATE_SAMPLER])
     copy.deepcopy(state.progress).load_state_dict(trainer_state[F.STATE_PROGRESS])
     live = state.scheduler.state_dict()
