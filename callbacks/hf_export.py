@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from veoptim.checkpoint import Publisher
-from veoptim.checkpoint.hf_export import full_model_state, write_hf_export
+from veoptim.checkpoint.hf_export import KIND_HF_EXPORT, full_model_state, write_hf_export
 from veoptim.config.schema import CheckpointConfig
 from veoptim.trainer import Callback, Trainer
 
@@ -13,7 +13,6 @@ log = logging.getLogger(__name__)
 
 EXPORTS_SUBDIR = "exports"
 HF_EXPORT_NAME = "hf_final"
-KIND_HF_EXPORT = "hf_export"
 
 
 class HFExportCallback(Callback):

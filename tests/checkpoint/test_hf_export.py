@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from callbacks.hf_export import EXPORTS_SUBDIR, HF_EXPORT_NAME, HFExportCallback
 from tests.checkpoint.ckpt_state import build_trainer
 from veoptim.checkpoint import resolve
+from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.hf_export import SAFETENSORS_INDEX_FILE
 
 
@@ -70,3 +71,28 @@ def test_unfinished_run_writes_no_export(tmp_path):
     trainer.train()
     HFExportCallback(trainer.cfg.checkpoint).on_train_end(trainer)
     assert not (trainer.run_dir / EXPORTS_SUBDIR).exists()
+
+
+def test_offline_conversion_of_a_training_checkpoint_matches_the_live_export(trained, tmp_path):
+    from scripts.dcp_to_hf import main as dcp_to_hf
+
+    root = tmp_path / "checkpoints"
+    Checkpointer(root, fsync=False).save(trained.training_state(), "final")
+    checkpoint = root / "final"
+    out = tmp_path / "exports"
+    assert (
+        dcp_to_hf([str(checkpoint), "--out", str(out), "--name", "offline", "--dtype", "fp32"]) == 0
+    )
+    offline = AutoModelForCausalLM.from_pretrained(resolve(out, "offline"))
+    tokenizer = AutoTokenizer.from_pretrained(resolve(out, "offline"))
+    trained.model.eval()
+    assert torch.equal(_logits(offline, tokenizer), _logits(trained.model, tokenizer))
+
+
+def test_offline_conversion_rejects_a_non_checkpoint(tmp_path, capsys):
+    from scripts.dcp_to_hf import main as dcp_to_hf
+
+    (tmp_path / "empty").mkdir()
+    assert dcp_to_hf([str(tmp_path / "empty"), "--out", str(tmp_path / "o"), "--name", "x"]) == 2
+    assert "checkpoint.json is missing" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "x").exists()

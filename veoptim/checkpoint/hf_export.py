@@ -20,6 +20,7 @@ from veoptim.errors import ConfigError
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 SHARD_FILE_PATTERN = "model-{index:05d}-of-{total:05d}.safetensors"
+KIND_HF_EXPORT = "hf_export"  # manifest kind: never picked by resume=auto
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "preserve": None}
 
 
