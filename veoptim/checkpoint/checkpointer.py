@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -51,11 +50,6 @@ from veoptim.distributed.layout import LayoutMetadata
 from veoptim.errors import CheckpointError
 
 log = logging.getLogger(__name__)
-
-# DCP warns on every single-process save/load that it "assumes" one process: that is intended.
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-)
 
 FaultHook = Callable[[str], None]
 #: What a phase catches and turns into an agreed failure. DCP's CheckpointException

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from veoptim.errors import CheckpointError
+
+# DCP warns on every single-process save/load that it "assumes" one process: intended here.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
 #: (module, name) pairs the metadata unpickler may resolve; everything else is refused.
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(

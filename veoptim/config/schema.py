@@ -70,7 +70,7 @@ class TrainConfig:
     max_steps: int = opt(1000, "Optimizer steps of the whole run (the LR schedule targets this).")
     stop_at_step: int = opt(0, "Save and exit cleanly at this global step (0 = run to max_steps).")
     global_batch_size: int = opt(16, "Sequences per optimizer step, summed over all ranks.")
-    micro_batch_size: int = opt(8, "Sequences per forward/backward on one rank.")
+    micro_batch_size: int = opt(4, "Sequences per forward/backward on one rank.")
     grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).")
     seed: int = opt(0, "Seed of data order and RNG states.")
 
