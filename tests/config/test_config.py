@@ -57,3 +57,13 @@ def test_semantic_errors_name_the_key(override, key):
 def test_config_reference_is_in_sync_with_dataclasses():
     committed = (REPO / "docs" / "config.md").read_text()
     assert committed == render(), "docs/config.md is stale: run `make docs`"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_default_batch_sizes_work_on_the_documented_rank_counts(ranks):
+    """README and docs launch 1, 2 and 4 ranks with the default batch sizes."""
+    from veoptim.data import GlobalBatchSampler
+
+    train = to_sft_config(compose_sft()).train
+    sampler = GlobalBatchSampler(3000, train.global_batch_size, train.micro_batch_size, 0, ranks, 0)
+    assert sum(len(mb) for mb in sampler.next_step()) * ranks == train.global_batch_size
