@@ -249,11 +249,17 @@ def test_config_that_changes_the_run_is_reported(saved, tmp_path):
     assert other.progress.global_step == 1  # progress is not restored on a weights-only load
 
 
-def test_unknown_name_and_escaping_reference(saved, live):
+def test_unknown_name_and_escaping_reference(saved, live, tmp_path, monkeypatch):
     root, _ = saved
     assert_fails_closed(live, root, "no_such_checkpoint", "no_such_checkpoint")
     # Not a name, so a path: an explicit user path is allowed, but this is no checkpoint.
-    assert_fails_closed(live, root, "../../etc", "checkpoint.json is missing")
+    not_a_checkpoint = tmp_path / "just_a_dir"
+    not_a_checkpoint.mkdir()
+    assert_fails_closed(live, root, str(not_a_checkpoint), "checkpoint.json is missing")
+    # A relative path is tried from the working directory, then from the checkpoint root;
+    # one that exists in neither is reported, whatever the machine's directory tree holds.
+    monkeypatch.chdir(tmp_path)
+    assert_fails_closed(live, root, "../../veoptim_no_such_dir", "does not exist")
 
 
 def test_load_into_a_fresh_run_skips_dcps_placeholder_step(saved, tmp_path):
