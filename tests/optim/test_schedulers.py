@@ -118,7 +118,8 @@ def test_scheduler_state_dict_holds_only_plain_values():
     "cfg, match",
     [
         (SchedulerConfig(name="poly"), "scheduler.name"),
-        (SchedulerConfig(name="cosine", warmup_steps=MAX_STEPS), "warmup_steps"),
+        (SchedulerConfig(name="cosine", warmup_steps=-1), "warmup_steps"),
+        (SchedulerConfig(name="wsd", warmup_steps=MAX_STEPS), "decay_ratio"),
         (SchedulerConfig(name="linear", min_lr_ratio=1.5), "min_lr_ratio"),
         (SchedulerConfig(name="wsd", warmup_steps=45, decay_ratio=0.2), "decay_ratio"),
     ],
@@ -126,3 +127,18 @@ def test_scheduler_state_dict_holds_only_plain_values():
 def test_invalid_scheduler_config_is_rejected(cfg, match):
     with pytest.raises(ConfigError, match=match):
         build_scheduler(_opt(), cfg, MAX_STEPS)
+
+
+def test_run_shorter_than_warmup_warms_up_throughout(caplog):
+    """train.max_steps=5 with the default warmup works: the LR rises every step, with a warning."""
+    cfg = _cfg("cosine", warmup_steps=10)
+    opt = _opt()
+    with caplog.at_level("WARNING"):
+        sched = build_scheduler(opt, cfg, 5)
+    assert "the whole run is warmup" in caplog.text
+    lrs = []
+    for _ in range(5):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([PEAK * (s + 1) / 11 for s in range(5)])

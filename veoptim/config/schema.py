@@ -110,7 +110,9 @@ class OptimConfig:
 @dataclass
 class SchedulerConfig:
     name: str = opt("cosine", "constant | linear | cosine | wsd (warmup-stable-decay).")
-    warmup_steps: int = opt(10, "Linear warmup steps from 0 to the peak LR.")
+    warmup_steps: int = opt(
+        10, "Linear warmup steps up to the peak LR (>= max_steps: the whole run warms up)."
+    )
     min_lr_ratio: float = opt(0.1, "Final LR as a fraction of the peak (linear, cosine, wsd).")
     decay_ratio: float = opt(0.2, "wsd: fraction of max_steps spent in the final decay.")
 

@@ -8,6 +8,7 @@ first step never runs at LR 0.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -16,6 +17,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from veoptim.config.schema import SchedulerConfig
 from veoptim.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
 #: Keys of the scheduler state dict (counters only; the shape comes from the live config).
@@ -49,10 +52,20 @@ def validate_scheduler_config(cfg: SchedulerConfig, max_steps: int) -> None:
         raise ConfigError(
             f"scheduler.name must be one of {list(SUPPORTED_SCHEDULERS)}, got {cfg.name!r}."
         )
-    if max_steps < 1 or not 0 <= cfg.warmup_steps < max_steps:
+    if max_steps < 1 or cfg.warmup_steps < 0:
         raise ConfigError(
-            f"scheduler.warmup_steps must be in [0, train.max_steps); got {cfg.warmup_steps} "
-            f"with max_steps={max_steps}."
+            f"scheduler.warmup_steps must be >= 0 and train.max_steps >= 1; got "
+            f"warmup_steps={cfg.warmup_steps}, max_steps={max_steps}."
+        )
+    if cfg.warmup_steps >= max_steps and cfg.name != "wsd":
+        # A short trial run (train.max_steps=5) must not need a second override.
+        log.warning(
+            "scheduler.warmup_steps=%d >= train.max_steps=%d: the whole run is warmup and the "
+            "LR peaks at %.3g of optim.lr (set scheduler.warmup_steps below max_steps to reach "
+            "the peak and decay).",
+            cfg.warmup_steps,
+            max_steps,
+            max_steps / (cfg.warmup_steps + 1),
         )
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise ConfigError(f"scheduler.min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}.")
