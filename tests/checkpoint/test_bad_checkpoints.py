@@ -249,6 +249,31 @@ def test_config_that_changes_the_run_is_reported(saved, tmp_path):
     assert other.progress.global_step == 1  # progress is not restored on a weights-only load
 
 
+def test_edited_training_data_is_reported(tmp_path):
+    """Same data path and example count, one response edited: the sampler position would
+    pick other examples, so a full resume fails closed; the unedited file resumes."""
+    from veoptim.data.paths import bundled_dataset_path
+
+    data = tmp_path / "train.jsonl"
+    lines = bundled_dataset_path().read_text().splitlines()
+    data.write_text("\n".join(lines) + "\n")
+    writer = build_trainer(tmp_path / "writer", [f"data.train_path={data}"])
+    writer.train_step()
+    root = tmp_path / "writer" / "ckpt"
+    Checkpointer(root, fsync=False).save(writer.training_state(), "step_1")
+    first = json.loads(lines[0])
+    first["messages"][-1]["content"] += " (edited)"
+    data.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    edited = build_trainer(tmp_path / "edited", [f"data.train_path={data}"])
+    edited.train_step()
+    message = assert_fails_closed(edited, root, "step_1", "training data differs")
+    assert "checkpoint.load_optimizer=false" in message
+    data.write_text("\n".join(lines) + "\n")
+    restored = build_trainer(tmp_path / "restored", [f"data.train_path={data}"])
+    Checkpointer(root, fsync=False).load(restored.training_state(), "step_1")
+    assert restored.progress.global_step == 1
+
+
 def test_unknown_name_and_escaping_reference(saved, live, tmp_path, monkeypatch):
     root, _ = saved
     assert_fails_closed(live, root, "no_such_checkpoint", "no_such_checkpoint")

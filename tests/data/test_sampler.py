@@ -146,6 +146,19 @@ def test_state_of_another_run_is_rejected_and_position_unchanged(key, value):
     assert (target.epoch, target.step_in_epoch) == (0, 2)
 
 
+def test_state_saved_over_other_data_is_rejected_and_position_unchanged():
+    source = GlobalBatchSampler(N, GLOBAL, MICRO, 0, 1, SEED, data_fingerprint="a" * 64)
+    source.next_step()
+    target = GlobalBatchSampler(N, GLOBAL, MICRO, 0, 1, SEED, data_fingerprint="b" * 64)
+    with pytest.raises(CheckpointError, match="training data differs"):
+        target.load_state_dict(source.state_dict())
+    assert (target.epoch, target.step_in_epoch) == (0, 0)
+    # Control: the same fingerprint continues.
+    same = GlobalBatchSampler(N, GLOBAL, MICRO, 0, 1, SEED, data_fingerprint="a" * 64)
+    same.load_state_dict(source.state_dict())
+    assert (same.epoch, same.step_in_epoch) == (0, 1)
+
+
 def test_state_with_step_outside_the_epoch_is_rejected():
     state = sampler().state_dict() | {"step_in_epoch": 6}
     with pytest.raises(CheckpointError, match="outside"):

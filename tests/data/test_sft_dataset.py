@@ -119,3 +119,30 @@ def test_collate_right_pads_with_pad_id_and_ignores_padding_in_labels(bundled, t
         assert (batch["input_ids"][row, n:] == tokenizer.pad_token_id).all()
         assert (batch["labels"][row, n:] == IGNORE_INDEX).all()
         assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (width - n)
+
+
+def test_fingerprint_follows_the_tokenized_content(tokenizer, write_jsonl):
+    """Same examples (even reformatted) -> same fingerprint; an edited example or other
+    max_seq_len/packing -> another (a resumed sampler position would pick other examples)."""
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Add {i}+1"},
+                {"role": "assistant", "content": str(i + 1)},
+            ]
+        }
+        for i in range(8)
+    ]
+    base = load_sft_dataset(str(write_jsonl(chats, "a.jsonl")), tokenizer, MAX_LEN, packing=False)
+    spaced = write_jsonl(
+        [json.dumps(c, indent=None, separators=(", ", ": ")) for c in chats], "b.jsonl"
+    )
+    assert load_sft_dataset(str(spaced), tokenizer, MAX_LEN, False).fingerprint == base.fingerprint
+    edited = [
+        *chats[:3],
+        {"messages": [chats[3]["messages"][0], {"role": "assistant", "content": "5"}]},
+        *chats[4:],
+    ]
+    other = load_sft_dataset(str(write_jsonl(edited, "c.jsonl")), tokenizer, MAX_LEN, False)
+    assert len(other) == len(base) and other.fingerprint != base.fingerprint
+    assert load_sft_dataset(str(spaced), tokenizer, MAX_LEN, True).fingerprint != base.fingerprint

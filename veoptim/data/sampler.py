@@ -30,6 +30,7 @@ KEY_STEP_IN_EPOCH = "step_in_epoch"
 KEY_SEED = "seed"
 KEY_NUM_EXAMPLES = "num_examples"
 KEY_GLOBAL_BATCH_SIZE = "global_batch_size"
+KEY_DATA_FINGERPRINT = "data_fingerprint"
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,6 +82,7 @@ class GlobalBatchSampler:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        data_fingerprint: str = "",
     ) -> None:
         _check_sizes(num_examples, global_batch_size, micro_batch_size, dp_rank, dp_size, seed)
         self.num_examples = num_examples
@@ -89,6 +91,8 @@ class GlobalBatchSampler:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
+        #: Identifies the examples the indices refer to ('' = unknown, not checked on load).
+        self.data_fingerprint = data_fingerprint
         self._epoch = 0
         self._step_in_epoch = 0
         self._perm_epoch = -1
@@ -148,6 +152,7 @@ class GlobalBatchSampler:
             KEY_SEED: self.seed,
             KEY_NUM_EXAMPLES: self.num_examples,
             KEY_GLOBAL_BATCH_SIZE: self.global_batch_size,
+            KEY_DATA_FINGERPRINT: self.data_fingerprint,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -168,6 +173,19 @@ class GlobalBatchSampler:
                     f"{key}={live}; the data order cannot continue (resume with the same data, "
                     "train.seed and train.global_batch_size)."
                 )
+        saved_fingerprint = state.get(KEY_DATA_FINGERPRINT) or ""
+        if (
+            saved_fingerprint
+            and self.data_fingerprint
+            and saved_fingerprint != self.data_fingerprint
+        ):
+            raise CheckpointError(
+                f"the training data differs from the checkpoint's (tokenized-content fingerprint "
+                f"saved {saved_fingerprint[:16]}, live {self.data_fingerprint[:16]}): the same "
+                "indices would pick other examples, so the data order cannot continue; resume "
+                "with the data file, tokenizer and data.max_seq_len/packing the run was saved "
+                "with, or load weights only (checkpoint.load_optimizer=false)."
+            )
         epoch, step = state.get(KEY_EPOCH), state.get(KEY_STEP_IN_EPOCH)
         if not (isinstance(epoch, int) and isinstance(step, int)) or epoch < 0:
             raise CheckpointError(

@@ -13,7 +13,9 @@ of each other; one that is not (e.g. it rewrites earlier turns) is rejected.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -21,12 +23,10 @@ from transformers import PreTrainedTokenizerBase
 
 from veoptim.data.chat_format import ROLE_ASSISTANT
 from veoptim.data.fields import IGNORE_INDEX, INPUT_IDS, LABELS
-from veoptim.data.packing import pack_examples
+from veoptim.data.packing import Example, pack_examples
 from veoptim.data.paths import bundled_dataset_path
 from veoptim.data.records import Conversation, Message, read_conversations
 from veoptim.errors import DataError
-
-Example = dict[str, torch.Tensor]
 
 
 def _render(
@@ -128,6 +128,21 @@ class SFTDataset:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 of every item's tensors in order: what a sampler position refers to.
+
+        Hashing the tokenized items (not the file) catches edited examples, a different
+        tokenizer, max_seq_len or packing, and ignores formatting-only changes.
+        """
+        digest = hashlib.sha256()
+        for item in self.items:
+            for key in sorted(item):
+                tensor = item[key]
+                digest.update(f"{key}:{tensor.numel()};".encode())
+                digest.update(tensor.numpy().tobytes())
+        return digest.hexdigest()
 
     def __getitem__(self, index: int) -> Example:
         return self.items[index]

@@ -94,6 +94,7 @@ class Trainer:
             dp_rank=plan.dp_rank,
             dp_size=plan.dp_size,
             seed=cfg.train.seed,
+            data_fingerprint=dataset.fingerprint,
         )
         return cls(
             cfg=cfg,
