@@ -6,7 +6,7 @@ from typing import Any
 
 from callbacks.checkpoint import CheckpointCallback
 from callbacks.hf_export import HFExportCallback
-from callbacks.metrics import MetricsFileCallback, WandbCallback
+from callbacks.metrics import MetricsFileCallback, TensorBoardCallback, WandbCallback
 from callbacks.progress import ProgressCallback
 from callbacks.run_files import ResolvedConfigCallback
 from veoptim.config.schema import SFTConfig
@@ -19,7 +19,11 @@ def standard_callbacks(cfg: SFTConfig, resolved: dict[str, Any]) -> list[Callbac
         ResolvedConfigCallback(resolved),
         CheckpointCallback(cfg.checkpoint),
     ]
-    callbacks += [MetricsFileCallback(cfg.logging), WandbCallback(cfg.logging, resolved)]
+    callbacks += [
+        MetricsFileCallback(cfg.logging),
+        WandbCallback(cfg.logging, resolved),
+        TensorBoardCallback(cfg.logging),
+    ]
     if cfg.logging.progress:
         callbacks.append(ProgressCallback())
     if cfg.checkpoint.hf_export.enabled:

@@ -1,4 +1,7 @@
-"""Metrics sinks: ``<run.dir>/metrics.jsonl`` (always) and wandb (when enabled); rank 0 only."""
+"""Metrics sinks: ``<run.dir>/metrics.jsonl`` (always), wandb and TensorBoard (when enabled).
+
+All of them write on rank 0 only.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ from typing import Any
 from veoptim.config.schema import LoggingConfig
 from veoptim.trainer import Callback, Metrics, Trainer
 
+#: Subdirectory of run.dir with the TensorBoard event files.
+TENSORBOARD_DIR = "tensorboard"
 #: Keys every metrics.jsonl record carries (tests check the schema).
 METRIC_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
 
@@ -73,3 +78,42 @@ class WandbCallback(Callback):
         if self.run is not None:
             self.run.finish(exit_code=exit_code)
             self.run = None
+
+
+class TensorBoardCallback(Callback):
+    """Logs every metric as the scalar ``train/<name>`` at the global step.
+
+    A resumed run adds a new event file to the same directory; TensorBoard merges them
+    by step, so the curves continue where the checkpoint left off.
+    """
+
+    def __init__(self, cfg: LoggingConfig) -> None:
+        self.cfg = cfg
+        self.writer = None
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        if not trainer.ctx.is_main or not self.cfg.tensorboard:
+            return
+        # Imported lazily: optional package (availability is checked with the config).
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(trainer.run_dir / TENSORBOARD_DIR), flush_secs=30)
+
+    def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None:
+        if self.writer is None or not _should_log(self.cfg, trainer, metrics):
+            return
+        step = metrics["step"]
+        for name, value in metrics.items():
+            if name != "step" and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"train/{name}", value, step)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        self._close()
+
+    def on_exception(self, trainer: Trainer, error: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

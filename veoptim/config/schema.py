@@ -164,6 +164,10 @@ class LoggingConfig:
     metrics_file: str = opt("metrics.jsonl", "Metrics JSONL file name inside run.dir.")
     level: str = opt("INFO", "Log level of rank 0 (other ranks log warnings only).")
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: bool = opt(
+        False,
+        "Write TensorBoard event files to <run.dir>/tensorboard (needs the tensorboard extra).",
+    )
 
 
 @dataclass

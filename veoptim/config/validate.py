@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from veoptim.config.schema import SFTConfig
 from veoptim.errors import ConfigError
 
@@ -69,3 +71,9 @@ def validate_config(cfg: SFTConfig) -> None:
         )
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas must be two values in [0, 1), got {list(cfg.optim.betas)}.")
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        # Checked here, on every rank, so no rank fails alone after the others started.
+        raise ConfigError(
+            "logging.tensorboard=true needs the tensorboard package, which is not installed; "
+            "install it with pip install -e '.[tensorboard]' or set logging.tensorboard=false."
+        )
