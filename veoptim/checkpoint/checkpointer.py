@@ -253,6 +253,13 @@ class Checkpointer:
             if saved_layout.world_size == state.layout.world_size:
                 plan.rng = read_json(rng_file)
                 check_rng(plan.rng, str(rng_file))
+            elif rank(self.group) == 0:
+                log.warning(
+                    "RNG states are not restored: %s was saved on %d ranks, this run has %d "
+                    "(weights, optimizer, LR and data order are; random ops such as dropout "
+                    "draw other numbers than the uninterrupted run).",
+                    path, saved_layout.world_size, state.layout.world_size,
+                )  # fmt: skip
             plan.trainer_state = trainer_state
             plan.optimizer = optimizer_staging(state.model, state.optimizer)
             _dry_run_json_state(state, trainer_state, path)
