@@ -1,0 +1,307 @@
+"""Tabulate and plot the metrics of the runs of a sweep (or of any run dirs).
+
+    .venv/bin/python scripts/sweep_report.py runs/sft [more run or sweep dirs] \\
+        [--out DIR] [--metric loss] [--smooth N]
+
+Each PATH is a run dir (holds ``metrics.jsonl``) or a sweep dir (its job subdirs do).
+Runs are labelled by the config keys that differ between them. Prints a Markdown table
+(best final metric first) and writes ``sweep.md``, ``sweep.csv`` and ``loss.svg`` into
+``--out`` (default: the first PATH). Stdlib + PyYAML only, so it runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+import yaml
+
+METRICS = "metrics.jsonl"
+# Keys that differ between any two runs by construction, so they never explain a difference.
+IGNORED_KEYS = {"run.dir"}
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]  # fmt: skip
+
+
+class ReportError(Exception):
+    """A user mistake reported as one sentence (exit code 2), not a traceback."""
+
+
+@dataclass
+class Run:
+    """One run: its dir, display name, flattened config (None if unknown) and records by step."""
+
+    path: Path
+    name: str
+    config: dict[str, str] | None
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+    label: str = ""
+
+
+def _fmt(value: Any) -> str:
+    """Format a config value the way one would type it as an override."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
+    return "null" if value is None else str(value)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+    """Nested mapping -> ``{"optim.lr": "0.001", ...}``; lists stay one value."""
+    if not isinstance(tree, dict):
+        return {prefix: _fmt(tree)} if prefix else {}
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def load_config(run_dir: Path) -> dict[str, str] | None:
+    """The resolved ``config.yaml`` flattened, else the command-line overrides, else None."""
+    try:
+        if (run_dir / "config.yaml").is_file():
+            return flatten(yaml.safe_load((run_dir / "config.yaml").read_text()) or {})
+        overrides = run_dir / ".hydra" / "overrides.yaml"
+        if overrides.is_file():
+            items = yaml.safe_load(overrides.read_text()) or []
+            return dict(str(item).lstrip("+~").partition("=")[::2] for item in items)
+    except yaml.YAMLError:
+        pass  # an unreadable config only costs the label, never the report
+    return None
+
+
+def load_metrics(path: Path, metric: str = "loss") -> dict[int, dict[str, Any]]:
+    """Records by step; a resumed run appends to the same file, so the later record wins."""
+    records: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ReportError(f"{where} is not valid JSON") from None
+        if not isinstance(record, dict):
+            raise ReportError(f"{where} is not a JSON object")
+        for key in ("step", metric):
+            if key not in record:
+                raise ReportError(f"{where} has no '{key}' (keys: {', '.join(record)})")
+        if not isinstance(record["step"], int) or isinstance(record["step"], bool):
+            raise ReportError(f"{where} has a non-integer step {record['step']!r}")
+        records[record["step"]] = record
+    return dict(sorted(records.items()))
+
+
+def load_run(run_dir: Path, metric: str = "loss", name: str | None = None) -> Run:
+    """Read one run dir: metrics plus config (for the label)."""
+    run = Run(run_dir, name or run_dir.name, load_config(run_dir))
+    run.records = load_metrics(run_dir / METRICS, metric)
+    return run
+
+
+def find_runs(path: Path) -> list[tuple[Path, str]]:
+    """A run dir itself, or the job subdirs of a sweep dir (numeric names in numeric order)."""
+    if not path.exists():
+        raise ReportError(f"{path} does not exist")
+    if not path.is_dir():
+        raise ReportError(f"{path} is not a directory")
+    if (path / METRICS).is_file():
+        return [(path, path.name)]
+    jobs = [sub for sub in path.iterdir() if sub.is_dir() and (sub / METRICS).is_file()]
+    if not jobs:
+        raise ReportError(f"no {METRICS} found in {path} or its immediate subdirectories")
+    jobs.sort(key=lambda sub: (0, int(sub.name), "") if sub.name.isdigit() else (1, 0, sub.name))
+    return [(sub, f"{path.name}/{sub.name}") for sub in jobs]
+
+
+def varying_keys(configs: list[dict[str, str] | None]) -> list[str]:
+    """Config keys whose values differ between the runs that have a config (missing counts)."""
+    known = [config for config in configs if config is not None]
+    keys = sorted({key for config in known for key in config} - IGNORED_KEYS)
+    return [key for key in keys if len({config.get(key) for config in known}) > 1]
+
+
+def label_runs(runs: list[Run]) -> None:
+    """Label each run by its differing keys; fall back to (or add) the dir name."""
+    keys = varying_keys([run.config for run in runs])
+    for run in runs:
+        parts = [f"{k}={run.config[k]}" for k in keys if run.config and k in run.config]
+        run.label = " ".join(parts) or run.name
+    labels = [run.label for run in runs]
+    for run in runs:
+        if labels.count(run.label) > 1 and run.label != run.name:
+            run.label = f"{run.label} [{run.name}]"
+
+
+def _is_num(value: Any) -> bool:
+    """A plottable number (NaN/inf losses happen; they are shown in the table, not plotted)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _finite(values: list[tuple[int, Any]]) -> list[tuple[int, float]]:
+    return [(s, v) for s, v in values if _is_num(v)]
+
+
+def table_rows(runs: list[Run], metric: str = "loss") -> list[dict[str, Any]]:
+    """One summary row per run, sorted by final metric (lowest first; non-finite last)."""
+    rows = []
+    for run in runs:
+        recs = list(run.records.values())
+        series = _finite([(step, rec[metric]) for step, rec in run.records.items()])
+        best = min(series, key=lambda sv: sv[1]) if series else (None, None)
+        speeds = [rec["tokens_per_s"] for rec in recs if "tokens_per_s" in rec]
+        rows.append({
+            "run": run.label, "steps": len(recs), "last_step": recs[-1]["step"],
+            f"first_{metric}": recs[0][metric], f"final_{metric}": recs[-1][metric],
+            f"min_{metric}": best[1], "min_step": best[0],
+            "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+            "final_lr": recs[-1].get("lr"),
+        })  # fmt: skip
+    final = f"final_{metric}"
+    return sorted(rows, key=lambda r: (0, r[final]) if _is_num(r[final]) else (1, 0.0))
+
+
+def _cell(value: Any, key: str) -> str:
+    """Readable precision for the Markdown table (the CSV keeps full precision)."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3g}" if key == "final_lr" else f"{value:.1f}" if key == "tokens_per_s" else f"{value:.4f}"  # fmt: skip
+    return str(value).replace("|", "\\|")
+
+
+def render_markdown(rows: list[dict[str, Any]]) -> str:
+    """A GitHub-flavoured Markdown table of ``table_rows``."""
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(row[k], k) for k in header) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    """The table with full precision, for spreadsheets and pandas."""
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` points (the first points average fewer)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _ticks(low: float, high: float, least: float = 0.0) -> list[tuple[float, str]]:
+    """About 5 round ticks (1, 2, 5 x 10^k apart, at least ``least``) over [low, high], labelled."""
+    raw = max((high - low) / 5, least)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    first = math.ceil(low / step - 1e-9) * step
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    count = int((high - first) / step + 1e-9) + 1
+    return [(first + i * step, f"{first + i * step:.{decimals}f}") for i in range(count)]
+
+
+def render_svg(runs: list[Run], metric: str = "loss", window: int = 1) -> str:
+    """A hand-written SVG line chart of ``metric`` vs step, one polyline per run."""
+    series = []
+    for run in runs:
+        points = _finite([(step, rec[metric]) for step, rec in run.records.items()])
+        values = smooth([v for _, v in points], window)
+        series.append((run.label, [(s, v) for (s, _), v in zip(points, values, strict=True)]))
+    all_points = [p for _, pts in series for p in pts] or [(0, 0.0)]
+    x_lo, x_hi = min(p[0] for p in all_points), max(p[0] for p in all_points)
+    y_lo, y_hi = min(p[1] for p in all_points), max(p[1] for p in all_points)
+    x_hi = x_hi if x_hi > x_lo else x_lo + 1
+    pad = (y_hi - y_lo) * 0.05 or abs(y_hi) * 0.05 or 1.0
+    y_lo, y_hi = y_lo - pad, y_hi + pad
+    left, top, width, height = 70, 40, 560, 340
+    legend_w = 40 + 7 * max((len(label) for label, _ in series), default=0)
+    total_w = left + width + 20 + legend_w
+    total_h = max(top + height + 50, top + 18 * len(series) + 20)
+
+    def sx(x: float) -> float:
+        return left + (x - x_lo) / (x_hi - x_lo) * width
+
+    def sy(y: float) -> float:
+        return top + (y_hi - y) / (y_hi - y_lo) * height
+
+    title = f"{metric} vs step" + (f" (moving average over {window})" if window > 1 else "")
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" '
+        f'font-family="sans-serif" font-size="12">',
+        f'<rect width="{total_w}" height="{total_h}" fill="white"/>',
+        f'<text class="title" x="{left + width / 2}" y="22" text-anchor="middle" '
+        f'font-size="15">{escape(title)}</text>',
+    ]
+    for tick, text in _ticks(x_lo, x_hi, least=1.0):
+        x = sx(tick)
+        out.append(
+            f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + height}" stroke="#eee"/>'
+        )
+        out.append(f'<text class="tick" x="{x:.1f}" y="{top + height + 16}" text-anchor="middle">{text}</text>')  # fmt: skip
+    for tick, text in _ticks(y_lo, y_hi):
+        y = sy(tick)
+        out.append(
+            f'<line x1="{left}" y1="{y:.1f}" x2="{left + width}" y2="{y:.1f}" stroke="#eee"/>'
+        )
+        out.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{text}</text>')  # fmt: skip
+    out.append(f'<rect x="{left}" y="{top}" width="{width}" height="{height}" fill="none" stroke="black"/>')  # fmt: skip
+    out.append(f'<text x="{left + width / 2}" y="{top + height + 38}" text-anchor="middle">step</text>')  # fmt: skip
+    out.append(f'<text x="16" y="{top + height / 2}" text-anchor="middle" transform="rotate(-90 16 {top + height / 2})">{escape(metric)}</text>')  # fmt: skip
+    for i, (label, pts) in enumerate(series):
+        color = PALETTE[i % len(PALETTE)]
+        coords = " ".join(f"{sx(s):.2f},{sy(v):.2f}" for s, v in pts)
+        out.append(f'<polyline class="run" points="{coords}" fill="none" stroke="{color}" stroke-width="1.8"><title>{escape(label)}</title></polyline>')  # fmt: skip
+        y = top + 10 + 18 * i
+        out.append(f'<line x1="{left + width + 20}" y1="{y}" x2="{left + width + 44}" y2="{y}" stroke="{color}" stroke-width="3"/>')  # fmt: skip
+        out.append(f'<text class="legend" x="{left + width + 50}" y="{y + 4}">{escape(label)}</text>')  # fmt: skip
+    return "\n".join([*out, "</svg>"]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="run or sweep dir")
+    parser.add_argument("--out", type=Path, help="output dir (default: the first PATH)")
+    parser.add_argument("--metric", default="loss", help="metrics.jsonl key to tabulate and plot")
+    parser.add_argument("--smooth", type=int, default=1, metavar="N", help="plot moving average")
+    args = parser.parse_args(argv)
+    try:
+        if args.smooth < 1:
+            raise ReportError(f"--smooth must be at least 1, got {args.smooth}")
+        runs = [load_run(d, args.metric, name) for p in args.paths for d, name in find_runs(p)]
+        for run in [run for run in runs if not run.records]:
+            print(f"warning: {run.path / METRICS} is empty; skipped", file=sys.stderr)
+        runs = [run for run in runs if run.records]
+        if not runs:
+            raise ReportError("no run has any logged step")
+        label_runs(runs)
+        rows = table_rows(runs, args.metric)
+        table = render_markdown(rows)
+        out = args.out or args.paths[0]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep.md").write_text(table)
+        write_csv(rows, out / "sweep.csv")
+        (out / "loss.svg").write_text(render_svg(runs, args.metric, args.smooth))
+    except (ReportError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(table, end="")
+    print(f"wrote {out / 'sweep.md'}, {out / 'sweep.csv'} and {out / 'loss.svg'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""``scripts/sweep_report.py`` on a real two-run Hydra sweep, its error messages, and resumes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts.sweep_report import label_runs, load_run, render_svg, smooth, table_rows
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "sweep_report.py"
+SVG = "{http://www.w3.org/2000/svg}"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def report(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=ENV
+    )
+
+
+def last_record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``python -m tasks.sft -m optim.lr=1e-3,3e-3``: jobs 0 and 1 of a 6-step CPU run."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    sweep_dir = tmp / "sw"
+    cmd = [sys.executable, "-m", "tasks.sft", "-m", "optim.lr=1e-3,3e-3", f"run.dir={sweep_dir}",
+           "run.device=cpu", "train.max_steps=6", "scheduler.warmup_steps=0",
+           "train.global_batch_size=4", "train.micro_batch_size=4", "logging.progress=false",
+           "checkpoint.hf_export.enabled=false", "checkpoint.save_at_end=false"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir
+
+
+@pytest.fixture(scope="module")
+def reported(sweep: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = sweep.parent / "report"
+    return report(sweep, "--out", out), out
+
+
+def test_table_labels_runs_by_their_differing_override(sweep, reported):
+    proc, out = reported
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| optim.lr=")]
+    labels = [row.split("|")[1].strip() for row in rows]
+    assert sorted(labels) == ["optim.lr=0.001", "optim.lr=0.003"]
+    assert (out / "sweep.md").read_text() == proc.stdout
+
+    with (out / "sweep.csv").open() as handle:
+        table = list(csv.DictReader(handle))
+    finals = [float(row["final_loss"]) for row in table]
+    assert finals == sorted(finals), "best final loss first"
+    by_label = {row["run"]: row for row in table}
+    for job in ("0", "1"):
+        config = yaml.safe_load((sweep / job / "config.yaml").read_text())
+        row = by_label[f"optim.lr={config['optim']['lr']}"]
+        last = last_record(sweep / job)
+        assert float(row["final_loss"]) == last["loss"]
+        assert int(row["steps"]) == int(row["last_step"]) == last["step"] == 6
+        assert float(row["final_lr"]) == last["lr"]
+
+
+def test_svg_has_one_polyline_per_run_and_a_legend(reported):
+    _, out = reported
+    root = ET.parse(out / "loss.svg").getroot()
+    polylines = root.findall(f"{SVG}polyline")
+    assert len(polylines) == 2
+    assert [len(p.get("points").split()) for p in polylines] == [6, 6]
+    legend = {t.text for t in root.iter(f"{SVG}text") if t.get("class") == "legend"}
+    assert legend == {"optim.lr=0.001", "optim.lr=0.003"}
+    assert any(t.get("class") == "title" for t in root.iter(f"{SVG}text"))
+    assert sum(t.get("class") == "tick" for t in root.iter(f"{SVG}text")) >= 4
+
+
+def test_run_dirs_and_smoothing(sweep, tmp_path):
+    proc = report(sweep / "0", sweep / "1", "--out", tmp_path, "--smooth", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "optim.lr=0.001" in proc.stdout and "optim.lr=0.003" in proc.stdout
+    root = ET.parse(tmp_path / "loss.svg").getroot()
+    assert [len(p.get("points").split()) for p in root.iter(f"{SVG}polyline")] == [6, 6]
+
+
+def test_errors_are_one_sentence_with_exit_code_2(tmp_path):
+    (tmp_path / "empty").mkdir()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": \n')
+    nometric = tmp_path / "nometric"
+    nometric.mkdir()
+    (nometric / "metrics.jsonl").write_text('{"step": 1, "lr": 0.1}\n')
+    cases = {
+        tmp_path / "missing": "does not exist",
+        tmp_path / "empty": "no metrics.jsonl found",
+        bad: f"{bad / 'metrics.jsonl'}:2",
+        nometric: f"{nometric / 'metrics.jsonl'}:1 has no 'loss'",
+    }
+    for path, message in cases.items():
+        proc = report(path)
+        assert proc.returncode == 2, (path, proc.stderr)
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_resumed_run_later_record_wins(tmp_path):
+    """A run resumed from step 1 re-logs steps 2-3 into the same file; those records win."""
+    lines = [(1, 5.0), (2, 4.0), (3, 1.0), (2, 4.5), (3, 3.5), (4, 3.0)]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "loss": v, "lr": 0.1, "tokens_per_s": 10.0}) + "\n"
+            for s, v in lines
+        )  # fmt: skip
+    )
+    run = load_run(tmp_path)
+    assert {step: rec["loss"] for step, rec in run.records.items()} == {1: 5.0, 2: 4.5, 3: 3.5, 4: 3.0}  # fmt: skip
+    label_runs([run])
+    assert run.label == tmp_path.name  # no config, nothing to compare: the dir name
+    (row,) = table_rows([run])
+    assert (row["steps"], row["last_step"], row["first_loss"], row["final_loss"]) == (
+        4,
+        4,
+        5.0,
+        3.0,
+    )
+    assert (row["min_loss"], row["min_step"]) == (3.0, 4)
+    points = ET.fromstring(render_svg([run])).find(f"{SVG}polyline").get("points").split()
+    assert len(points) == 4
+
+
+def test_smooth_is_a_trailing_moving_average():
+    assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert smooth([1.0, 3.0], 1) == [1.0, 3.0]
