@@ -5,7 +5,7 @@
 
 Each PATH is a run dir (holds ``metrics.jsonl``) or a sweep dir (its job subdirs do).
 Runs are labelled by the config keys that differ between them. Prints a Markdown table
-(best final metric first) and writes ``sweep.md``, ``sweep.csv`` and ``loss.svg`` into
+(best final metric first) and writes ``sweep.md``, ``sweep.csv`` and ``<metric>.svg`` (``loss.svg``) into
 ``--out`` (default: the first PATH). Stdlib + PyYAML only, so it runs anywhere.
 """
 
@@ -15,6 +15,7 @@ import argparse
 import csv
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,7 +163,8 @@ def table_rows(runs: list[Run], metric: str = "loss") -> list[dict[str, Any]]:
             "run": run.label, "steps": len(recs), "last_step": recs[-1]["step"],
             f"first_{metric}": recs[0][metric], f"final_{metric}": recs[-1][metric],
             f"min_{metric}": best[1], "min_step": best[0],
-            "tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+            # median: the first steps (warm-up, allocation) are far slower than the rest
+            "tokens_per_s": statistics.median(speeds) if speeds else None,
             "final_lr": recs[-1].get("lr"),
         })  # fmt: skip
     final = f"final_{metric}"
@@ -294,12 +296,15 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sweep.md").write_text(table)
         write_csv(rows, out / "sweep.csv")
-        (out / "loss.svg").write_text(render_svg(runs, args.metric, args.smooth))
+        (out / f"{args.metric}.svg").write_text(render_svg(runs, args.metric, args.smooth))
     except (ReportError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(table, end="")
-    print(f"wrote {out / 'sweep.md'}, {out / 'sweep.csv'} and {out / 'loss.svg'}", file=sys.stderr)
+    print(
+        f"wrote {out / 'sweep.md'}, {out / 'sweep.csv'} and {out / args.metric}.svg",
+        file=sys.stderr,
+    )
     return 0
 
 
