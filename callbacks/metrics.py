@@ -84,7 +84,8 @@ class TensorBoardCallback(Callback):
     """Logs every metric as the scalar ``train/<name>`` at the global step.
 
     A resumed run adds a new event file to the same directory; TensorBoard merges them
-    by step, so the curves continue where the checkpoint left off.
+    by step, so the curves continue where the checkpoint left off. Steps a crashed run
+    logged after its last checkpoint are purged (``purge_step``): they are trained again.
     """
 
     def __init__(self, cfg: LoggingConfig) -> None:
@@ -97,7 +98,12 @@ class TensorBoardCallback(Callback):
         # Imported lazily: optional package (availability is checked with the config).
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(trainer.run_dir / TENSORBOARD_DIR), flush_secs=30)
+        resumed_at = trainer.progress.global_step  # restored by the checkpoint callback
+        self.writer = SummaryWriter(
+            log_dir=str(trainer.run_dir / TENSORBOARD_DIR),
+            flush_secs=30,
+            purge_step=resumed_at + 1 if resumed_at else None,
+        )
 
     def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None:
         if self.writer is None or not _should_log(self.cfg, trainer, metrics):

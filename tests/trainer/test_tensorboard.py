@@ -40,6 +40,21 @@ def test_scalars_match_metrics_jsonl_and_continue_after_resume(tiny_overrides, t
     assert [step for step, _ in sorted(scalars["train/loss"])] == [1, 2, 3, 4]
 
 
+def test_steps_logged_after_the_last_checkpoint_are_purged_on_resume(tiny_overrides, tmp_path):
+    """A run that logged step 4 but saved only at step 3 (as after a crash) is resumed from
+    3: step 4 is trained again and must appear once, with the new value."""
+    tb = tiny_overrides + ["logging.tensorboard=true", "checkpoint.save_at_end=false"]
+    run_sft(compose_sft(tb + ["checkpoint.save_steps=3"]))
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics.jsonl").unlink()
+    run_sft(compose_sft(tb + ["checkpoint.resume=auto"]))
+    scalars = _scalars(run_dir / TENSORBOARD_DIR)
+    assert [step for step, _ in sorted(scalars["train/loss"])] == [1, 2, 3, 4]
+    (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert record["step"] == 4
+    assert dict(scalars["train/grad_norm"])[4] == torch.tensor(record["grad_norm"]).float().item()
+
+
 def test_disabled_by_default_writes_no_event_files(tiny_overrides, tmp_path):
     run_sft(compose_sft(tiny_overrides))
     assert not (tmp_path / "run" / TENSORBOARD_DIR).exists()
