@@ -143,7 +143,7 @@ class GlobalBatchSampler:
             self._step_in_epoch = 0
         return [share[i : i + micro] for i in range(0, per_rank, micro)]
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         """The position (JSON-serializable ints) plus what it is only valid for."""
         return {
             KEY_VERSION: STATE_VERSION,
