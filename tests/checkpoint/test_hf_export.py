@@ -96,3 +96,22 @@ def test_offline_conversion_rejects_a_non_checkpoint(tmp_path, capsys):
     assert dcp_to_hf([str(tmp_path / "empty"), "--out", str(tmp_path / "o"), "--name", "x"]) == 2
     assert "checkpoint.json is missing" in capsys.readouterr().err
     assert not (tmp_path / "o" / "x").exists()
+
+
+def test_export_continues_as_model_path_of_a_new_run(trained, tmp_path):
+    """`model=hf_local model.path=<export>`: the new run starts from the exported weights
+    (with the exported tokenizer), and builds the same structure on meta for ranks > 0."""
+    path = _export(trained, "fp32")
+    run = build_trainer(
+        tmp_path,
+        ["model=hf_local", f"model.path={path}", f"data.tokenizer_path={path}", "model.dtype=fp32"],
+    )
+    exported = dict(trained.model.named_parameters())
+    for name, param in run.model.named_parameters():
+        assert torch.equal(param.detach(), exported[name].detach()), name
+    from veoptim.models import build_model
+
+    meta = build_model(run.cfg.model, len(run.tokenizer), on_meta=True)
+    shapes = {n: (p.shape, p.dtype) for n, p in meta.named_parameters()}
+    assert all(p.is_meta for p in meta.parameters())
+    assert shapes == {n: (p.shape, p.dtype) for n, p in run.model.named_parameters()}

@@ -40,6 +40,24 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory, four_ranks) -> dict[str,
     return run_ranks(2, two_rank_suite, out, str(four_ranks[1]))
 
 
+@pytest.mark.parametrize(
+    "suite,case",
+    [
+        ("four", "moe_ep2_efsdp2"),
+        ("four", "qwen2_moe_hsdp2_ep2"),
+        ("two", "dense_fsdp2"),
+        ("two", "moe_ep2_from_path"),  # model.path: only rank 0 reads the weights
+    ],
+)
+def test_ranks_built_on_meta_are_filled_bitwise_from_rank0(four_ranks, two_ranks, suite, case):
+    """Only rank 0 holds a full model; every shard and buffer equals a single-process build."""
+    result = (four_ranks[0] if suite == "four" else two_ranks)["init"][case]
+    world = 4 if suite == "four" else 2
+    assert result["meta_ranks"] == world - 1
+    assert result["same_keys"] and result["mismatched"] == [], result
+    assert result["ranks_with_bad_buffers"] == 0, result
+
+
 def assert_matches_single_process(result: dict[str, Any]) -> None:
     assert result["same_keys"]
     assert result["loss_diff"] < LOSS_TOL, result

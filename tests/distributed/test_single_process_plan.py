@@ -15,7 +15,7 @@ from tests.distributed.workers import (
 )
 from veoptim.config.schema import ParallelConfig
 from veoptim.distributed import build_parallel_plan, init_distributed
-from veoptim.errors import ConfigError
+from veoptim.errors import ConfigError, DistributedError
 from veoptim.models.build import build_model
 
 
@@ -92,3 +92,12 @@ def test_single_process_layout_metadata(ctx):
 def test_unknown_mixed_precision_dtype_is_rejected(ctx, key):
     with pytest.raises(ConfigError, match=f"parallel.{key} must be one of"):
         build_parallel_plan(ParallelConfig(**{key: "fp8"}), ctx, num_experts=0)
+
+
+def test_a_meta_model_in_one_process_is_rejected(ctx):
+    """Only ranks > 0 may build on meta: one process has no rank 0 to fill it from."""
+    model = build_model(model_config(moe=False), VOCAB, on_meta=True)
+    assert all(p.is_meta for p in model.parameters())
+    plan = build_parallel_plan(ParallelConfig(), ctx, num_experts=0)
+    with pytest.raises(DistributedError, match="meta device"):
+        plan.apply(model)

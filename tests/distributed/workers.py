@@ -16,7 +16,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from veoptim.config.schema import ModelConfig, ParallelConfig
@@ -136,7 +140,8 @@ def parallel_run(
     """Build, apply the plan, train on this rank's rows of the global batch; returns (model, plan, result)."""
     cfg = model_config(moe, **model_kw)
     plan = build_parallel_plan(ParallelConfig(**parallel), ctx, cfg.num_experts)
-    model = plan.apply(build_model(cfg, VOCAB))
+    # As in the trainer: ranks other than 0 build on meta, the plan fills them from rank 0.
+    model = plan.apply(build_model(cfg, VOCAB, on_meta=not ctx.is_main))
     ids, labels = global_batch()
     rows = GLOBAL_BATCH // plan.dp_size
     mine = slice(plan.dp_rank * rows, (plan.dp_rank + 1) * rows)
@@ -167,6 +172,45 @@ def equivalence_checks(
         torch.distributed.all_gather(ranks, torch.tensor(plan.dp_rank))
         if ctx.is_main:
             results[name]["dp_ranks"] = [int(r) for r in ranks]
+    return results
+
+
+def init_checks(ctx: DistContext, out: Path, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Ranks > 0 build on meta; the sharded model must equal a single-process build bitwise.
+
+    Rank 0 compares the gathered full state dict; every rank compares its own buffers
+    (non-persistent rotary tables are not in the state dict). A ``from_path`` case
+    loads a local HF directory (``model.path``) that rank 0 wrote first.
+    """
+    results: dict[str, Any] = {}
+    for name, case in cases.items():
+        cfg = model_config(case["moe"], **case.get("model_kw", {}))
+        if case.get("from_path"):
+            path = out / f"hf_{name}"
+            if ctx.is_main:
+                build_model(replace(cfg, init_seed=5), VOCAB).save_pretrained(path)
+            torch.distributed.barrier()
+            cfg = replace(cfg, path=str(path))
+        plan = build_parallel_plan(ParallelConfig(**case["parallel"]), ctx, cfg.num_experts)
+        built = build_model(cfg, VOCAB, on_meta=not ctx.is_main)
+        was_meta = all(p.is_meta for p in built.parameters())
+        model = plan.apply(built)
+        gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        reference = build_model(cfg, VOCAB).to(ctx.device)
+        ref_buffers = dict(reference.named_buffers())
+        bad_buffers = [n for n, b in model.named_buffers() if not torch.equal(b, ref_buffers[n])]
+        counts = torch.tensor([len(bad_buffers), int(was_meta)])
+        torch.distributed.all_reduce(counts)
+        if ctx.is_main:
+            ref_state = reference.state_dict()
+            results[name] = {
+                "same_keys": sorted(gathered) == sorted(ref_state),
+                "mismatched": sorted(
+                    k for k in ref_state if not torch.equal(full(gathered[k]), ref_state[k])
+                ),
+                "ranks_with_bad_buffers": int(counts[0]),
+                "meta_ranks": int(counts[1]),
+            }
     return results
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
@@ -82,11 +83,39 @@ class ParallelPlan:
     def apply(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to the device, split experts over ``ep``, shard with FSDP2 (in place).
 
-        In a single process the model is only moved to the device.
+        In a single process the model is only moved to the device. With several ranks,
+        every shard (and every buffer) is then filled from rank 0's model, so ranks other
+        than 0 may pass a model built on the meta device (no storage): host memory holds
+        one full model per job instead of one per rank, and all ranks start from
+        bitwise the weights a single process would have.
         """
-        model.to(self.device)
+        on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+        if on_meta and (self.meshes is None or self.ctx.is_main):
+            raise DistributedError(
+                "rank 0 (and a single process) must pass a materialised model to the parallel "
+                "plan; only the other ranks of a distributed run may build it on the meta device."
+            )
+        if not on_meta:
+            model.to(self.device)
         if self.meshes is None:
             return model
+        # Rank 0's full tensors (references, no copy) are the source of every shard.
+        source = dict(model.state_dict()) if self.ctx.is_main else {}
+        self._shard(model)
+        if on_meta:
+            model.to_empty(device=self.device)
+        set_model_state_dict(
+            model,
+            source,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        for buffer in model.buffers():  # non-persistent buffers (rotary tables) too
+            dist.broadcast(buffer, src=0)
+        return model
+
+    def _shard(self, model: nn.Module) -> None:
+        """Split experts over ``ep`` and apply FSDP2 per decoder layer, then to the root."""
+        assert self.meshes is not None
         layers = decoder_layers(model)
         experts = find_fused_experts(model)
         if self.sizes.ep > 1:
@@ -109,7 +138,6 @@ class ParallelPlan:
         for module in fsdp_modules:
             module.set_gradient_divide_factor(GRADIENT_DIVIDE_FACTOR)
             module.set_force_sum_reduction_for_comms(True)
-        return model
 
     def _apply_expert_parallel(
         self, model: nn.Module, experts: list[tuple[nn.Module, str, nn.Module]]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
@@ -81,12 +82,19 @@ def _hf_config(cfg: ModelConfig, vocab_size: int, special: dict[str, int]) -> Pr
 
 
 def build_model(
-    cfg: ModelConfig, vocab_size: int, special_tokens: dict[str, int] | None = None
+    cfg: ModelConfig,
+    vocab_size: int,
+    special_tokens: dict[str, int] | None = None,
+    *,
+    on_meta: bool = False,
 ) -> PreTrainedModel:
     """Build the model of ``cfg`` on CPU in ``cfg.dtype``, deterministically.
 
     ``special_tokens`` maps ``pad_token_id``/``bos_token_id``/``eos_token_id``
-    to ids of the tokenizer, so exports carry a consistent config.
+    to ids of the tokenizer, so exports carry a consistent config. ``on_meta``
+    builds the same structure without storage or weights (no file is read): the
+    ranks of a distributed run other than rank 0 do, and the parallel plan fills
+    their shards from rank 0's weights, so host memory holds one full model per job.
     """
     dtype = resolve_dtype(cfg.dtype, "model.dtype")
     if cfg.path:
@@ -95,10 +103,16 @@ def build_model(
             raise ConfigError(
                 f"model.path must be a local HF model directory with config.json; got {path}."
             )
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        return model
+        if on_meta:
+            with torch.device("meta"):
+                config = AutoConfig.from_pretrained(path)
+                return AutoModelForCausalLM.from_config(config, dtype=dtype).to(dtype)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_config = _hf_config(cfg, vocab_size, special_tokens or {})
     _, model_cls = SUPPORTED_ARCHS[cfg.arch]
+    if on_meta:
+        with torch.device("meta"):
+            return model_cls(hf_config).to(dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         model = model_cls(hf_config)

@@ -80,7 +80,9 @@ class Trainer:
             for key in ("pad_token_id", "bos_token_id", "eos_token_id")
             if getattr(tokenizer, key, None) is not None
         }
-        model = build_model(cfg.model, len(tokenizer), special)
+        # Ranks other than 0 build without storage; the plan fills their shards from rank 0.
+        on_meta = ctx.world_size > 1 and not ctx.is_main
+        model = build_model(cfg.model, len(tokenizer), special, on_meta=on_meta)
         plan = build_parallel_plan(
             cfg.parallel, ctx, num_experts=getattr(model.config, "num_experts", 0) or 0
         )
