@@ -6,11 +6,16 @@ All of them write on rank 0 only.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 from veoptim.config.schema import LoggingConfig
 from veoptim.trainer import Callback, Metrics, Trainer
+
+log = logging.getLogger(__name__)
 
 #: Subdirectory of run.dir with the TensorBoard event files.
 TENSORBOARD_DIR = "tensorboard"
@@ -23,8 +28,36 @@ def _should_log(cfg: LoggingConfig, trainer: Trainer, metrics: Metrics) -> bool:
     return step % cfg.log_every == 0 or step == trainer.last_step
 
 
+def prepare_metrics_file(path: Path, resumed_step: int) -> None:
+    """Make ``path`` the history that leads to the state training starts from.
+
+    A resumed run keeps the records up to its checkpoint's step and drops the later
+    ones (a crashed run logged them; they are trained again) and any line a crash tore
+    (rewritten atomically). A fresh run in a used run dir moves the earlier file aside.
+    """
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    if resumed_step == 0:
+        aside = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(path, aside)
+        log.warning("%s held the metrics of an earlier run; moved them to %s", path, aside)
+        return
+    kept: list[str] = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # torn by a crash mid-write
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            if record["step"] <= resumed_step:
+                kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
 class MetricsFileCallback(Callback):
-    """Appends one JSON object per logged step; a resumed run appends to the same file."""
+    """Appends one JSON object per logged step, after :func:`prepare_metrics_file`."""
 
     def __init__(self, cfg: LoggingConfig) -> None:
         self.cfg = cfg
@@ -34,6 +67,8 @@ class MetricsFileCallback(Callback):
         if trainer.ctx.is_main:
             trainer.run_dir.mkdir(parents=True, exist_ok=True)
             self.path = trainer.run_dir / self.cfg.metrics_file
+            # progress was restored by the checkpoint callback, which runs first
+            prepare_metrics_file(self.path, trainer.progress.global_step)
 
     def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None:
         if self.path is None or not _should_log(self.cfg, trainer, metrics):

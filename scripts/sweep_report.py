@@ -82,13 +82,19 @@ def load_config(run_dir: Path) -> dict[str, str] | None:
 def load_metrics(path: Path, metric: str = "loss") -> dict[int, dict[str, Any]]:
     """Records by step; a resumed run appends to the same file, so the later record wins."""
     records: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    text = path.read_text()
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
+            if number == len(lines) and not text.endswith("\n"):
+                # a run killed mid-write leaves a torn last line; its resume drops it
+                print(f"warning: skipping the torn last line {where}", file=sys.stderr)
+                continue
             raise ReportError(f"{where} is not valid JSON") from None
         if not isinstance(record, dict):
             raise ReportError(f"{where} is not a JSON object")

@@ -142,3 +142,11 @@ def test_resumed_run_later_record_wins(tmp_path):
 def test_smooth_is_a_trailing_moving_average():
     assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert smooth([1.0, 3.0], 1) == [1.0, 3.0]
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path):
+    """A run killed mid-write leaves a last line without newline: reported, not fatal."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    proc = report(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "torn last line" in proc.stderr and f"{tmp_path / 'metrics.jsonl'}:2" in proc.stderr
