@@ -46,6 +46,7 @@ class CheckpointCallback(Callback):
             checkpoint_root(self.cfg, trainer.run_dir),
             keep_last=self.cfg.keep_last,
             fsync=self.cfg.fsync,
+            write_threads=self.cfg.write_threads,
             async_group=async_group,
             fault_hook=self.fault_hook,
         )

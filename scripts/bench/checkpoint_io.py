@@ -24,7 +24,7 @@ process is reported apart. Prints one JSON line. Targets: ``resume_rss_ratio <= 
 save/load vs raw I/O and publication overhead are reported (SPEC §10 sets no bar).
 On a CPU shared with other jobs, ``--threads 1`` avoids OpenMP stalls in copies.
 
-    .venv/bin/python scripts/bench/checkpoint_io.py [--size-mb 100] [--repeats 5] [--threads N]
+    .venv/bin/python scripts/bench/checkpoint_io.py [--size-mb 100] [--repeats 5] [--threads N] [--write-threads 2]
 """
 
 from __future__ import annotations
@@ -202,7 +202,9 @@ def role_train(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     train_peak = peak_rss_mb()
     params = sum(p.numel() for p in trainer.model.parameters())
     clock = PhaseClock()
-    checkpointer = Checkpointer(work / "checkpoints", fsync=True, fault_hook=clock)
+    checkpointer = Checkpointer(
+        work / "checkpoints", fsync=True, write_threads=args.write_threads, fault_hook=clock
+    )
     state = trainer.training_state()
     saves, raws, nbytes = [], [], 0
     for r in range(args.repeats):
@@ -273,7 +275,8 @@ def run_role(role: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
     """Run one role in a fresh interpreter (its own ru_maxrss); returns its JSON line."""
     cmd = [sys.executable, __file__, "--role", role, "--workdir", str(workdir),
            "--size-mb", str(args.size_mb), "--repeats", str(args.repeats),
-           "--steps", str(args.steps), "--threads", str(args.threads)]  # fmt: skip
+           "--steps", str(args.steps), "--threads", str(args.threads),
+           "--write-threads", str(args.write_threads)]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
@@ -305,6 +308,7 @@ def summarize(
         "params": train["params"],
         "checkpoint_bytes": nbytes,
         "repeats": args.repeats,
+        "write_threads": args.write_threads,
         "save_GBps": save_gbps,
         "raw_write_fsync_GBps": raw_w,
         "save_vs_raw_write": round(save_gbps / raw_w, 3),
@@ -347,6 +351,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed saves / loads (best kept)")
     parser.add_argument("--steps", type=int, default=1, help="training steps before saving")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument(
+        "--write-threads", type=int, default=2, help="DCP writer threads (checkpoint.write_threads)"
+    )
     parser.add_argument("--dir", default=None, help="parent of the work dir (default: temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
     parser.add_argument("--role", choices=("train", "resume"), help=argparse.SUPPRESS)

@@ -6,7 +6,7 @@ Inside a published version directory (see ``layout.py`` for names and versions):
     checkpoint.json        format version, step, world size, optimizer type, contents
     dcp/                   torch.distributed.checkpoint: tensors only, sharded by rank
       .metadata              keys ``model.<fqn>`` and ``optimizer.<fqn>.<state key>``
-      __<rank>_0.distcp
+      __<rank>_<n>.distcp   one file per writer thread (checkpoint.write_threads)
     trainer_state.json     progress, sampler position, LR scheduler, optimizer param groups
     rng/rank_<r>.json      Python, NumPy, torch CPU and device RNG states of rank r
     layout.json            mesh dims, EP size, expert placement (``LayoutMetadata``)

@@ -142,6 +142,9 @@ class CheckpointConfig:
     save_at_end: bool = opt(True, "Save when training ends (train.stop_at_step always saves).")
     keep_last: int = opt(0, "Keep only the newest N published checkpoints (0 = keep all).")
     fsync: bool = opt(True, "fsync files and directories before publishing.")
+    write_threads: int = opt(
+        2, "DCP writer threads per rank (each writes its own shard file of the version)."
+    )
     async_save: bool = opt(False, "Save with dcp.async_save on a dedicated process group.")
     resume: str = opt("", "'' = fresh run; auto = newest complete checkpoint; or a name/path.")
     load_optimizer: bool = opt(

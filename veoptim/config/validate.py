@@ -26,6 +26,7 @@ POSITIVE: tuple[str, ...] = (
     "data.max_seq_len",
     "logging.log_every",
     "optim.chunk_size",
+    "checkpoint.write_threads",
 )
 
 NON_NEGATIVE: tuple[str, ...] = (
