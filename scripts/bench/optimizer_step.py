@@ -6,8 +6,8 @@ hits them alike, and each figure is the best round. The baseline is
 ``torch.optim.AdamW(fused=True)`` on FP32 parameters (28 bytes moved per
 parameter). ``copy_GBps`` is a measured FP32 tensor copy (read + write) on the
 same device: ``fraction_of_copy_bw`` = (ideal bytes per parameter x count / time)
-/ copy bandwidth. Prints one JSON line. Targets (SPEC §10): full_fp32_adamw and
-master_fp32_adamw within 1.25x of the baseline.
+/ copy bandwidth. Prints one JSON line. Target: full_fp32_adamw and master_fp32_adamw within
+1.25x of the baseline.
 
     .venv/bin/python scripts/bench/optimizer_step.py [--numel 8388608] [--rounds 7] [--threads N]
 """

@@ -1,4 +1,4 @@
-"""Resharding (SPEC 5.3): checkpoints written on 4 (and 2) gloo ranks loaded on other world sizes.
+"""Resharding: checkpoints written on 4 (and 2) gloo ranks loaded on other world sizes.
 
 Loads run in fresh processes of the resume campaign (``helpers/resume_campaign.py``):
 the real Checkpointer loads a step-N checkpoint into a trainer of another layout and,

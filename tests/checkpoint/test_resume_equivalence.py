@@ -1,4 +1,4 @@
-"""Fresh-process resume equivalence on 1, 2 and 4 gloo ranks (SPEC 5.2), with negative controls.
+"""Fresh-process resume equivalence on 1, 2 and 4 gloo ranks, with negative controls.
 
 For every variant (world size x dense FSDP2 / MoE EP x FSDP x optimizer type x param
 dtype) ``tasks.sft`` runs N+K steps straight, and N steps with ``train.stop_at_step=N``

@@ -15,13 +15,14 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from veoptim.dtypes import DTYPES
 from veoptim.errors import ConfigError
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 SHARD_FILE_PATTERN = "model-{index:05d}-of-{total:05d}.safetensors"
 KIND_HF_EXPORT = "hf_export"  # manifest kind: never picked by resume=auto
-EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "preserve": None}
+EXPORT_DTYPES: dict[str, torch.dtype | None] = {**DTYPES, "preserve": None}
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 
-from veoptim.config.schema import SFTConfig
+from veoptim.config.schema import TrainerConfig
+from veoptim.dtypes import DTYPES
 from veoptim.errors import ConfigError
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "run.device": ("auto", "cpu", "cuda", "npu"),
-    "model.dtype": ("fp32", "bf16"),
+    "model.dtype": tuple(DTYPES),
     "model.arch": ("qwen2", "qwen2_moe", "qwen3_moe"),
     "scheduler.name": ("constant", "linear", "cosine", "wsd"),
-    "parallel.param_dtype": ("fp32", "bf16"),
-    "parallel.reduce_dtype": ("fp32", "bf16"),
+    "parallel.param_dtype": tuple(DTYPES),
+    "parallel.reduce_dtype": tuple(DTYPES),
     "parallel.backend": ("auto", "gloo", "nccl", "hccl"),
-    "checkpoint.hf_export.dtype": ("bf16", "fp32", "preserve"),
+    "checkpoint.hf_export.dtype": (*DTYPES, "preserve"),
     "logging.wandb.mode": ("disabled", "offline", "online"),
 }
 
@@ -41,14 +42,14 @@ NON_NEGATIVE: tuple[str, ...] = (
 )
 
 
-def _get(cfg: SFTConfig, key: str):
+def _get(cfg: TrainerConfig, key: str):
     value = cfg
     for part in key.split("."):
         value = getattr(value, part)
     return value
 
 
-def validate_config(cfg: SFTConfig) -> None:
+def validate_config(cfg: TrainerConfig) -> None:
     """Raise ``ConfigError`` for the first invalid value (optimizer names are checked by the builder)."""
     for key, choices in CHOICES.items():
         value = _get(cfg, key)

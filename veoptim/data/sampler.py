@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from veoptim.arith import divisors
 from veoptim.errors import CheckpointError, ConfigError, DataError
 
 STATE_VERSION = 1
@@ -31,10 +32,6 @@ KEY_SEED = "seed"
 KEY_NUM_EXAMPLES = "num_examples"
 KEY_GLOBAL_BATCH_SIZE = "global_batch_size"
 KEY_DATA_FINGERPRINT = "data_fingerprint"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _check_sizes(
@@ -61,7 +58,7 @@ def _check_sizes(
     if micro_batch_size < 1 or per_rank % micro_batch_size:
         raise ConfigError(
             f"train.micro_batch_size must divide the per-rank batch global_batch_size/dp_size = "
-            f"{global_batch_size}/{dp_size} = {per_rank}; valid choices are {_divisors(per_rank)}, "
+            f"{global_batch_size}/{dp_size} = {per_rank}; valid choices are {divisors(per_rank)}, "
             f"got {micro_batch_size}."
         )
     if num_examples < global_batch_size:

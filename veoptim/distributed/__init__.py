@@ -6,14 +6,39 @@ Public API (what tasks and the trainer call)::
     setup_logging(ctx, cfg.logging.level)
     plan = build_parallel_plan(cfg.parallel, ctx, num_experts)
     model = plan.apply(model)
+
+The names below are imported on first use (PEP 562), so importing a light submodule
+such as ``veoptim.distributed.agreement`` does not pull in torch, FSDP or DTensor.
 """
 
-from veoptim.distributed.context import DistContext, init_distributed
-from veoptim.distributed.device import resolve_backend, resolve_device
-from veoptim.distributed.layout import LAYOUT_FORMAT_VERSION, MESH_DIM_NAMES, LayoutMetadata
-from veoptim.distributed.log import setup_logging
-from veoptim.distributed.plan import ParallelPlan, build_parallel_plan
-from veoptim.distributed.sizes import ParallelSizes, resolve_parallel_sizes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from veoptim.distributed.context import DistContext, init_distributed
+    from veoptim.distributed.device import resolve_backend, resolve_device
+    from veoptim.distributed.layout import LAYOUT_FORMAT_VERSION, MESH_DIM_NAMES, LayoutMetadata
+    from veoptim.distributed.log import setup_logging
+    from veoptim.distributed.plan import ParallelPlan, build_parallel_plan
+    from veoptim.distributed.sizes import ParallelSizes, resolve_parallel_sizes
+
+#: Public name -> submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    "DistContext": "context",
+    "init_distributed": "context",
+    "resolve_backend": "device",
+    "resolve_device": "device",
+    "LAYOUT_FORMAT_VERSION": "layout",
+    "MESH_DIM_NAMES": "layout",
+    "LayoutMetadata": "layout",
+    "setup_logging": "log",
+    "ParallelPlan": "plan",
+    "build_parallel_plan": "plan",
+    "ParallelSizes": "sizes",
+    "resolve_parallel_sizes": "sizes",
+}
 
 __all__ = [
     "LAYOUT_FORMAT_VERSION",
@@ -29,3 +54,17 @@ __all__ = [
     "resolve_parallel_sizes",
     "setup_logging",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import the defining submodule on first access and cache the name here."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

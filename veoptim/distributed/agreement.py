@@ -1,4 +1,4 @@
-"""Cross-rank agreement: one collective that ends every checkpoint phase (SPEC §5.4).
+"""Cross-rank agreement: one collective that ends every checkpoint phase.
 
 Each rank passes ``True`` or the exception it caught; every rank learns every outcome in a
 single ``all_gather_object`` and, if any rank failed, raises the *same* ``CheckpointError``

@@ -43,10 +43,6 @@ class DistContext:
         """Rank 0: the rank that logs, writes run-level files and shows progress."""
         return self.rank == 0
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
     def close(self) -> None:
         """Destroy the default process group if this context created it (idempotent)."""
         if self.owns_process_group and dist.is_initialized():

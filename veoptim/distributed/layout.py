@@ -1,6 +1,6 @@
 """Layout metadata: the parallel layout a checkpoint was written under.
 
-Checkpoints record it (SPEC 5.3). Model weights are saved as DTensors with their
+Checkpoints record it, so a resume can tell what may be resharded. Model weights are saved as DTensors with their
 global shapes, so DCP reshards them to any layout; optimizer state is only
 accepted under the same expert-parallel layout, and
 :meth:`LayoutMetadata.optimizer_compatible` says why not otherwise.

@@ -27,17 +27,11 @@ from veoptim.distributed.grad_norm import clip_grad_norm_
 from veoptim.distributed.layout import MESH_DIM_NAMES, LayoutMetadata, contiguous_expert_placement
 from veoptim.distributed.mesh import ParallelMeshes, build_meshes
 from veoptim.distributed.sizes import ParallelSizes, resolve_parallel_sizes
+from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError, DistributedError
-from veoptim.models.build import DTYPES
 from veoptim.models.experts import ExpertParallelExperts, find_fused_experts
 
 GRADIENT_DIVIDE_FACTOR = 1.0  # SUM: the loss is already normalised by the global token count
-
-
-def _dtype(name: str, key: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"{key} must be one of {sorted(DTYPES)}, got {name!r}.")
-    return DTYPES[name]
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -199,14 +193,6 @@ class ParallelPlan:
             expert_placement=contiguous_expert_placement(self.num_experts, s.ep),
         )
 
-    def describe(self) -> str:
-        s = self.sizes
-        return (
-            f"world={s.world} dp_replicate={s.dp_replicate} dp_shard={s.dp_shard} "
-            f"(efsdp={s.efsdp} x ep={s.ep}) param_dtype={self.mp_policy.param_dtype} "
-            f"reduce_dtype={self.mp_policy.reduce_dtype}"
-        )
-
 
 def build_parallel_plan(cfg: ParallelConfig, ctx: DistContext, num_experts: int) -> ParallelPlan:
     """Validate ``cfg`` against the world size and model, and build the mesh (only when world > 1).
@@ -215,8 +201,8 @@ def build_parallel_plan(cfg: ParallelConfig, ctx: DistContext, num_experts: int)
     """
     sizes = resolve_parallel_sizes(cfg, ctx.world_size, num_experts)
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=_dtype(cfg.param_dtype, "parallel.param_dtype"),
-        reduce_dtype=_dtype(cfg.reduce_dtype, "parallel.reduce_dtype"),
+        param_dtype=resolve_dtype(cfg.param_dtype, "parallel.param_dtype"),
+        reduce_dtype=resolve_dtype(cfg.reduce_dtype, "parallel.reduce_dtype"),
     )
     meshes = build_meshes(ctx.device.type, sizes) if ctx.world_size > 1 else None
     return ParallelPlan(

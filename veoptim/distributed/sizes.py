@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from veoptim.arith import divisors
 from veoptim.config.schema import ParallelConfig
 from veoptim.errors import ConfigError
 
@@ -28,10 +29,6 @@ class ParallelSizes:
     def efsdp(self) -> int:
         """FSDP degree of expert parameters (the part of dp_shard that EP does not use)."""
         return self.dp_shard // self.ep
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _check_degree(name: str, value: int, allow_fill: bool) -> None:
@@ -54,7 +51,7 @@ def resolve_parallel_sizes(cfg: ParallelConfig, world_size: int, num_experts: in
         raise ConfigError(
             "at most one of parallel.dp_replicate and parallel.dp_shard may be -1, got both."
         )
-    valid = _divisors(world_size)
+    valid = divisors(world_size)
     replicate, shard = cfg.dp_replicate, cfg.dp_shard
     if replicate == FILL:
         if shard not in valid:
@@ -94,4 +91,4 @@ def resolve_parallel_sizes(cfg: ParallelConfig, world_size: int, num_experts: in
 
 
 def _valid_ep(dp_shard: int, num_experts: int) -> list[int]:
-    return [d for d in _divisors(dp_shard) if not num_experts or num_experts % d == 0]
+    return [d for d in divisors(dp_shard) if not num_experts or num_experts % d == 0]

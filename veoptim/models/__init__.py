@@ -1,5 +1,5 @@
 """Model construction from config (transformers classes) or a local HF directory."""
 
-from veoptim.models.build import DTYPES, SUPPORTED_ARCHS, build_model, resolve_dtype
+from veoptim.models.build import SUPPORTED_ARCHS, build_model
 
-__all__ = ["DTYPES", "SUPPORTED_ARCHS", "build_model", "resolve_dtype"]
+__all__ = ["SUPPORTED_ARCHS", "build_model"]

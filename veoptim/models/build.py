@@ -24,22 +24,14 @@ from transformers import (
 )
 
 from veoptim.config.schema import ModelConfig
+from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError
-
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 SUPPORTED_ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
-
-
-def resolve_dtype(name: str, key: str) -> torch.dtype:
-    """Map a config dtype name to a torch dtype, naming the config key on error."""
-    if name not in DTYPES:
-        raise ConfigError(f"{key} must be one of {sorted(DTYPES)}, got {name!r}.")
-    return DTYPES[name]
 
 
 def _hf_config(cfg: ModelConfig, vocab_size: int, special: dict[str, int]) -> PretrainedConfig:

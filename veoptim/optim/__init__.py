@@ -1,4 +1,4 @@
-"""Optimizers (SPEC §4): builder, the four AdamW types, state inventory, LR schedulers."""
+"""Optimizers: builder, the four AdamW types, state inventory, LR schedulers."""
 
 from veoptim.optim.builder import SUPPORTED_OPTIMIZERS, build_optimizer, build_param_groups
 from veoptim.optim.exact_adamw import CPUOffloadAdamW, ExactAdamW, FullFP32AdamW, MasterFP32AdamW

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from veoptim.config.schema import OptimConfig
+from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError
 from veoptim.optim.exact_adamw import CPUOffloadAdamW, FullFP32AdamW, MasterFP32AdamW
-from veoptim.optim.state_keys import CPU_OFFLOAD, MOMENT_DTYPES
+from veoptim.optim.state_keys import CPU_OFFLOAD
 from veoptim.optim.torch_adamw import AdamW
 
 SUPPORTED_OPTIMIZERS: tuple[str, ...] = (
@@ -29,7 +30,7 @@ SUPPORTED_OPTIMIZERS: tuple[str, ...] = (
     "master_fp32_adamw",
     "cpu_offload_adamw",
 )
-#: Moment dtype each fixed-precision type requires (SPEC §4 table).
+#: Moment dtype each fixed-precision type is defined by; another optim.moment_dtype is rejected.
 _FIXED_MOMENTS = {"full_fp32_adamw": "fp32", "master_fp32_adamw": "bf16"}
 
 
@@ -41,12 +42,6 @@ def _compile(patterns: list[str], key: str) -> list[re.Pattern[str]]:
         except re.error as err:
             raise ConfigError(f"{key} has an invalid regex {pattern!r}: {err}.") from err
     return compiled
-
-
-def _moment_dtype(name: str, key: str) -> torch.dtype:
-    if name not in MOMENT_DTYPES:
-        raise ConfigError(f"{key} must be one of {sorted(MOMENT_DTYPES)}, got {name!r}.")
-    return MOMENT_DTYPES[name]
 
 
 @dataclass
@@ -148,10 +143,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         return MasterFP32AdamW(groups, **exact)
     return CPUOffloadAdamW(
         groups,
-        resident_moment_dtype=_moment_dtype(
+        resident_moment_dtype=resolve_dtype(
             cfg.resident_moment_dtype, "optim.resident_moment_dtype"
         ),
-        offload_moment_dtype=_moment_dtype(cfg.cpu_moment_dtype, "optim.cpu_moment_dtype"),
+        offload_moment_dtype=resolve_dtype(cfg.cpu_moment_dtype, "optim.cpu_moment_dtype"),
         **exact,
     )
 

@@ -1,6 +1,6 @@
 """FP32-master AdamW: the base of ``full_fp32_adamw``, ``master_fp32_adamw`` and ``cpu_offload_adamw``.
 
-State per parameter (SPEC §4): ``master_weight`` (FP32), ``exp_avg`` and
+State per parameter: ``master_weight`` (FP32), ``exp_avg`` and
 ``exp_avg_sq`` (the group's moment dtype), ``step`` (FP32 scalar tensor). After
 each update the model parameter is written from its master (round-to-nearest,
 or stochastic rounding for BF16 parameters when enabled). For a resident FP32
@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from veoptim.errors import CheckpointError, ConfigError
+from veoptim.errors import ConfigError
+from veoptim.optim.base import ValidatedOptimizerMixin
 from veoptim.optim.dtensor_util import global_flat_offset, local, wrap_like
 from veoptim.optim.fused_engine import (
     DEFAULT_FUSED_CHUNK,
@@ -35,7 +36,7 @@ from veoptim.optim.fused_engine import (
 )
 from veoptim.optim.offload import StagingBuffer, offload_update_
 from veoptim.optim.rounding import noise_key
-from veoptim.optim.state_check import ExpectedState, check_entry, check_groups, param_name
+from veoptim.optim.state_check import ExpectedState
 from veoptim.optim.state_keys import (
     CPU_OFFLOAD,
     EXP_AVG,
@@ -50,7 +51,7 @@ from veoptim.optim.state_keys import (
 _HOST = torch.device("cpu")
 
 
-class ExactAdamW(Optimizer):
+class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
     """AdamW with FP32 masters; groups with ``cpu_offload=True`` keep their state in host memory."""
 
     allows_offload: ClassVar[bool] = False
@@ -127,15 +128,6 @@ class ExactAdamW(Optimizer):
                     f"{pl.dtype}, contiguous={pl.is_contiguous()}."
                 )
 
-    def _name(self, p: torch.Tensor) -> str:
-        return self.param_names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
-
-    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(p is param for p in group["params"]):
-                return group
-        raise KeyError(f"{self._name(param)} is not managed by this optimizer.")
-
     @staticmethod
     def is_offloaded(group: Mapping[str, Any]) -> bool:
         return bool(group.get(CPU_OFFLOAD, False))
@@ -178,17 +170,6 @@ class ExactAdamW(Optimizer):
             EXP_AVG_SQ: wrap_like(p, torch.zeros(pl.shape, dtype=moment, device=device)),
             STEP: torch.zeros((), dtype=STEP_DTYPE, device=device),
         }
-
-    def _is_dcp_dummy_step(self) -> bool:
-        """DCP's state-initialising step: no state yet, every lr 0 and every gradient zero."""
-        if self.state:
-            return False
-        if any(float(g["lr"]) != 0.0 for g in self.param_groups):
-            return False
-        grads = [
-            local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None
-        ]
-        return bool(grads) and not any(bool(g.any()) for g in grads)
 
     def _real_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         state = self.state[p]
@@ -275,21 +256,8 @@ class ExactAdamW(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
-        check_groups(self.param_groups, saved_groups)
-        if not isinstance(saved_state, Mapping):
-            raise CheckpointError("Optimizer state dict has no 'state' mapping.")
-        owners: dict[Any, tuple[torch.Tensor, dict[str, Any], str]] = {}
-        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            for pi, (key, p) in enumerate(zip(saved["params"], group["params"], strict=True)):
-                owners[key] = (p, group, param_name(self.param_names, p, gi, pi))
-        for key, entry in saved_state.items():
-            if key not in owners:
-                raise CheckpointError(
-                    f"Optimizer state has an entry for {key!r}, which no param group lists."
-                )
-            p, _, name = owners[key]
-            check_entry(name, p, entry, self.expected_state(p))
+        owners = self._validated_owners(state_dict)
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         # Everything is valid: place tensors (device moves only), then commit.
         new_state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
         param_writes: list[tuple[torch.Tensor, torch.Tensor]] = []

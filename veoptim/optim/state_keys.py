@@ -25,6 +25,5 @@ CPU_OFFLOAD = "cpu_offload"
 MASTER_DTYPE = torch.float32
 STEP_DTYPE = torch.float32
 
-MOMENT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 #: Parameter dtypes the exact optimizers accept (FP32 master is exact for each).
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

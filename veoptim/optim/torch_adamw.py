@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
-from veoptim.errors import CheckpointError, ConfigError
+from veoptim.errors import ConfigError
+from veoptim.optim.base import ValidatedOptimizerMixin
 from veoptim.optim.dtensor_util import local
-from veoptim.optim.state_check import ExpectedState, check_entry, check_groups, param_name
+from veoptim.optim.state_check import ExpectedState
 from veoptim.optim.state_keys import EXP_AVG, EXP_AVG_SQ, STEP, STEP_DTYPE
 
 
-class AdamW(torch.optim.AdamW):
+class AdamW(ValidatedOptimizerMixin, torch.optim.AdamW):
     """``torch.optim.AdamW`` (fused where supported) with validated loading and a neutral DCP dummy step."""
 
     def __init__(
@@ -35,12 +36,6 @@ class AdamW(torch.optim.AdamW):
         self.param_names: dict[int, str] = dict(param_names or {})
         super().__init__(params, **kwargs)
 
-    def _group_of(self, param: torch.Tensor) -> dict[str, Any]:
-        for group in self.param_groups:
-            if any(p is param for p in group["params"]):
-                return group
-        raise KeyError("parameter is not managed by this optimizer.")
-
     def expected_state(self, param: torch.Tensor) -> ExpectedState:
         """torch AdamW's state of ``param``: moments in the parameter dtype, FP32 scalar step."""
         self._group_of(param)
@@ -50,14 +45,6 @@ class AdamW(torch.optim.AdamW):
             EXP_AVG: (pl.shape, pl.dtype),
             EXP_AVG_SQ: (pl.shape, pl.dtype),
         }
-
-    def _is_dcp_dummy_step(self) -> bool:
-        if self.state or any(float(g["lr"]) != 0.0 for g in self.param_groups):
-            return False
-        grads = [
-            local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None
-        ]
-        return bool(grads) and not any(bool(g.any()) for g in grads)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -72,19 +59,5 @@ class AdamW(torch.optim.AdamW):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Reject (CheckpointError, nothing changed) state whose keys, dtype or shape differ."""
-        saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
-        check_groups(self.param_groups, saved_groups)
-        if not isinstance(saved_state, Mapping):
-            raise CheckpointError("Optimizer state dict has no 'state' mapping.")
-        owners: dict[Any, tuple[torch.Tensor, str]] = {}
-        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            for pi, (key, p) in enumerate(zip(saved["params"], group["params"], strict=True)):
-                owners[key] = (p, param_name(self.param_names, p, gi, pi))
-        for key, entry in saved_state.items():
-            if key not in owners:
-                raise CheckpointError(
-                    f"Optimizer state has an entry for {key!r}, which no param group lists."
-                )
-            p, name = owners[key]
-            check_entry(name, p, entry, self.expected_state(p))
+        self._validated_owners(state_dict)
         super().load_state_dict(state_dict)

@@ -19,7 +19,6 @@ import signal
 import sys
 from pathlib import Path
 
-import light_imports  # noqa: F401  (before veoptim)
 from payload import check_payload, write_payload
 
 from veoptim.checkpoint.publish import Publisher
