@@ -1,5 +1,6 @@
 """Two reader processes running while another process saves repeatedly never see a partial
-or mixed checkpoint: every read resolves a name once and finds one complete version."""
+or mixed checkpoint: every read resolves a name once and finds one complete version, or
+(a reader slower than the next save) finds that version removed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from veoptim.checkpoint.publish import Publisher
 
 HELPERS = Path(__file__).parent / "helpers"
 SAVES = 30
-GRACE_S = 30.0  # superseded versions outlive any read in this test
 
 
 def test_concurrent_readers_never_see_a_partial_checkpoint(tmp_path: Path) -> None:
@@ -41,8 +41,6 @@ def test_concurrent_readers_never_see_a_partial_checkpoint(tmp_path: Path) -> No
             str(SAVES),
             "--keep-last",
             "3",
-            "--grace",
-            str(GRACE_S),
             "--shard-bytes",
             "50000",
         ],
@@ -55,6 +53,6 @@ def test_concurrent_readers_never_see_a_partial_checkpoint(tmp_path: Path) -> No
     assert writer.returncode == 0, writer.stderr
     for report in reports:
         assert report["failures"] == []
-        assert report["reads"] >= 20
+        assert report["reads"] >= 20 and report["vanished"] < report["reads"]
     seen = set().union(*(r["steps"] for r in reports))
     assert len(seen) > 2, f"readers saw too few versions to have overlapped saves: {seen}"

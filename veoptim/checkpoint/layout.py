@@ -1,4 +1,6 @@
-"""Every path inside a checkpoint root, as pure functions. This docstring is the on-disk contract.
+"""Every path inside a checkpoint root, as pure functions (no I/O). This docstring is the
+on-disk contract; reading and writing it live in ``resolve.py``, ``publish.py`` and
+``retention.py``.
 
 A checkpoint root is a directory that holds published *names* and immutable *versions*::
 
@@ -6,7 +8,6 @@ A checkpoint root is a directory that holds published *names* and immutable *ver
       step_00000100 -> .versions/step_00000100.3f2a9c1d0b7e4a55   (relative symlink: a name)
       step_00000200 -> .versions/step_00000200.9b1c4e7a22d04f10
       hf_final      -> .versions/hf_final.c0ffee0123456789
-      best          -> .versions/step_00000200.9b1c4e7a22d04f10   (an alias: a second name)
       old_run/                                                    (legacy plain directory)
       .versions/
         step_00000100.3f2a9c1d0b7e4a55/    (a version: written once, never modified)
@@ -25,8 +26,9 @@ A checkpoint root is a directory that holds published *names* and immutable *ver
   the directory (same set, same sizes, same checksums where recorded).
 * ``.tmp-link.<name>.<token>`` is a temporary symlink created next to the name and then
   ``os.replace``-d over it; one that survives is debris of a crashed publish.
-* A *legacy* checkpoint is a plain directory under a name; it is readable but never
-  overwritten.
+* A *legacy* checkpoint is a plain directory under a name. A checkpoint copied from another
+  machine with ``cp -r`` (or ``rsync`` without ``-l``) becomes one, so it stays readable,
+  but it is never overwritten: it may be the only copy.
 """
 
 from __future__ import annotations
@@ -132,9 +134,3 @@ def manifest_path(version: Path) -> Path:
 
 def manifest_temp_path(version: Path) -> Path:
     return Path(version) / MANIFEST_TEMP_FILE
-
-
-def is_within(path: Path, root: Path) -> bool:
-    """True iff the real location of ``path`` is ``root``'s real location or below it."""
-    real, real_root = Path(path).resolve(), Path(root).resolve()
-    return real == real_root or real_root in real.parents

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -38,7 +38,6 @@ KEY_KIND = "kind"
 KEY_STEP = "step"
 KEY_CREATED_NS = "created_ns"
 KEY_WORLD_SIZE = "world_size"
-KEY_METADATA = "metadata"
 KEY_FILES = "files"
 KEY_SIZE = "size"
 KEY_PRUNABLE = "prunable"
@@ -61,7 +60,6 @@ class Manifest:
     world_size: int
     files: dict[str, FileEntry]
     prunable: bool = True
-    metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         files = {}
@@ -78,7 +76,6 @@ class Manifest:
             KEY_CREATED_NS: self.created_ns,
             KEY_WORLD_SIZE: self.world_size,
             KEY_PRUNABLE: self.prunable,
-            KEY_METADATA: self.metadata,
             KEY_FILES: files,
         }
 
@@ -127,7 +124,6 @@ def build_manifest(
     step: int | None,
     world_size: int,
     prunable: bool = True,
-    metadata: dict[str, Any] | None = None,
 ) -> Manifest:
     """Describe every file now in ``version`` (sizes; SHA-256 of small files)."""
     files = {}
@@ -142,7 +138,6 @@ def build_manifest(
         world_size=world_size,
         files=files,
         prunable=prunable,
-        metadata=dict(metadata or {}),
     )
 
 
@@ -160,6 +155,8 @@ def write_manifest(version: Path, manifest: Manifest, *, fsync: bool) -> Path:
 
 
 def _parse(raw: Any, where: Path) -> Manifest:
+    """Keys this veoptim does not use (e.g. ``metadata``, written by earlier releases) are
+    ignored, so those manifests still read."""
     if not isinstance(raw, dict) or raw.get(KEY_FORMAT) != MANIFEST_FORMAT:
         raise CheckpointError(f"{where} is not a veoptim checkpoint manifest.")
     if raw.get(KEY_FORMAT_VERSION) != MANIFEST_FORMAT_VERSION:
@@ -181,7 +178,6 @@ def _parse(raw: Any, where: Path) -> Manifest:
             world_size=int(raw[KEY_WORLD_SIZE]),
             files=files,
             prunable=bool(raw[KEY_PRUNABLE]),
-            metadata=dict(raw.get(KEY_METADATA) or {}),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"Manifest {where} is malformed: {exc!r}.") from exc
@@ -221,7 +217,13 @@ def verify(version: Path, manifest: Manifest, *, checksums: bool = True) -> None
                 f"Checkpoint file {version / rel} has {found[rel]} bytes, its manifest "
                 f"says {entry.size}."
             )
-        if checksums and entry.sha256 is not None and _sha256(version / rel) != entry.sha256:
+        if not checksums or entry.sha256 is None:
+            continue
+        try:
+            digest = _sha256(version / rel)
+        except OSError as exc:  # e.g. retention removed the version while it was checked
+            raise CheckpointError(f"Cannot read checkpoint file {version / rel}: {exc}.") from exc
+        if digest != entry.sha256:
             raise CheckpointError(
                 f"Checkpoint file {version / rel} does not match its {CHECKSUM_ALGORITHM} "
                 f"in the manifest (corrupted or modified)."

@@ -1,4 +1,4 @@
-"""Crash-atomic publication of checkpoint versions, used by every writer (SPEC §5.5).
+"""Crash-atomic publication of checkpoint versions, used by every writer.
 
     publisher = Publisher(root, keep_last=3, fsync=True, group=None)
     with publisher.write("step_00000100", step=100) as version_dir:
@@ -6,31 +6,52 @@
 
 or, when the files are written in the background (``dcp.async_save``)::
 
-    pending = publisher.begin("step_00000100", step=100)   # collective
+    pending = publisher.begin("step_00000100", step=100)   # collective: prepare
     ...                                                     # write into pending.path
-    pending.finish(error_or_none)                           # collective: agree, publish
+    pending.finish(error_or_none)                           # collective: publish
 
-Phases, each ending in a cross-rank agreement (same ``CheckpointError`` on every rank):
-prepare (rank 0: validate, refuse legacy directories, clean debris, create the version
-directory, broadcast its id) -> write (every rank; then fsync of the files each rank can
-see) -> publish (rank 0: manifest last, fsync, temporary relative symlink, ``os.replace``
-over the name, fsync of the root; rolled back if a step after the replace fails). Then,
-best-effort on rank 0, retention. A failure in any phase leaves the previous version of
-the name published and removes the new, unpublished version directory.
+A save is one sequence of phases, run by ``PendingVersion._begin`` and
+``PendingVersion.finish`` and implemented by the ``_prepare`` ... ``_retain`` methods below
+them, in this order:
+
+1. prepare (rank 0): refuse a legacy directory, clean debris, create the version directory;
+2. write (every rank): the caller's files, then fsync of the files this rank can see;
+3. manifest (rank 0): written last, listing every other file;
+4. flush (rank 0): fsync of every directory of the version and of ``.versions``;
+5. point (rank 0): a temporary relative symlink ``os.replace``-d over the name, fsync of
+   the root; rolled back if anything fails after the replace;
+6. retain (rank 0, best-effort): ``keep_last`` and cleanup; never fails the save.
+
+Phases 1, 2 and 3-5 each end in a cross-rank agreement, so every rank raises the same
+``CheckpointError``. A failure leaves the previous version of the name published and
+removes the new, unpublished version directory. ``faults.PHASES`` names the points where
+tests inject faults.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from veoptim.checkpoint.durable import fsync_dir, fsync_tree
+from veoptim.checkpoint.faults import (
+    PHASE_AFTER_MANIFEST,
+    PHASE_AFTER_REPLACE,
+    PHASE_BEFORE_MANIFEST,
+    PHASE_BEFORE_REPLACE,
+    PHASE_PREPARED,
+    PHASE_WRITTEN,
+    PHASES,
+    FaultHook,
+    fire,
+)
 from veoptim.checkpoint.layout import (
     link_path,
     link_target,
@@ -41,38 +62,44 @@ from veoptim.checkpoint.layout import (
     versions_dir,
 )
 from veoptim.checkpoint.manifest import KIND_CHECKPOINT, Manifest, build_manifest, write_manifest
-from veoptim.checkpoint.resolve import check_complete, read_link
-from veoptim.checkpoint.retention import (
-    PHASE_RETENTION,
-    collect_garbage,
-    in_flight,
-    prune_names,
-    register_in_flight,
-    remove_version,
-    retire,
-    unregister_in_flight,
-)
+from veoptim.checkpoint.resolve import read_link
+from veoptim.checkpoint.retention import collect_garbage, prune_names, remove_version
 from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank, world_size
 from veoptim.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-PHASE_PREPARED = "prepared"  # every rank, after the version directory exists
-PHASE_WRITTEN = "written"  # every rank, after the caller's writes, before fsync
-PHASE_BEFORE_MANIFEST = "before_manifest"  # rank 0
-PHASE_AFTER_MANIFEST = "after_manifest"  # rank 0, manifest durable, name not yet moved
-PHASE_BEFORE_REPLACE = "before_replace"  # rank 0, temporary link exists
-PHASE_AFTER_REPLACE = "after_replace"  # rank 0, name points to the new version
-PHASES = (
-    PHASE_PREPARED,
-    PHASE_WRITTEN,
-    PHASE_BEFORE_MANIFEST,
-    PHASE_AFTER_MANIFEST,
-    PHASE_BEFORE_REPLACE,
-    PHASE_AFTER_REPLACE,
-    PHASE_RETENTION,
-)
-FaultHook = Callable[[str], None]
+# Entries (version ids, temporary link names) of saves in flight in this process, per real
+# root path: cleanup by another Publisher on the same root must not delete them.
+_IN_FLIGHT: dict[str, set[str]] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _register(root: Path, entry: str) -> None:
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.setdefault(str(Path(root).resolve()), set()).add(entry)
+
+
+def _unregister(root: Path, entry: str) -> None:
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.get(str(Path(root).resolve()), set()).discard(entry)
+
+
+def _in_flight(root: Path) -> set[str]:
+    with _IN_FLIGHT_LOCK:
+        return set(_IN_FLIGHT.get(str(Path(root).resolve()), ()))
+
+
+def _refuse_legacy(link: Path) -> None:
+    """A plain directory under a name (e.g. a checkpoint copied with ``cp -r``, which turns
+    the link into a directory) may be the only copy of that checkpoint: never replace it."""
+    if os.path.lexists(link) and not link.is_symlink():
+        raise CheckpointError(
+            f"Checkpoint name {link.name!r} in {link.parent} is a plain directory (a legacy "
+            f"checkpoint, or one copied without its symlinks) and is never overwritten; it "
+            f"stays readable, save under a new name."
+        )
 
 
 @dataclass(frozen=True)
@@ -85,105 +112,12 @@ class Published:
     previous: str | None  # version id the name pointed to before, if any
 
 
-def _legacy_error(path: Path) -> CheckpointError:
-    return CheckpointError(
-        f"Checkpoint name {path.name!r} in {path.parent} is a plain directory (a legacy "
-        f"checkpoint) and is never overwritten; it stays readable, save under a new name."
-    )
-
-
-class PendingVersion:
-    """A version being written; every rank must call ``finish`` (or commit/abort) once."""
-
-    def __init__(
-        self,
-        publisher: Publisher,
-        name: str,
-        version_id: str,
-        *,
-        kind: str,
-        step: int | None,
-        prunable: bool,
-        metadata: dict[str, Any] | None,
-    ) -> None:
-        self.publisher = publisher
-        self.name = name
-        self.version_id = version_id
-        self.path = version_dir(publisher.root, version_id)
-        self.kind, self.step, self.prunable = kind, step, prunable
-        self.metadata = dict(metadata or {})
-        self._finished = False
-
-    def commit(self) -> Published:
-        return self.finish(None)
-
-    def abort(self, error: BaseException) -> None:
-        """Report this rank's write failure; raises the agreed ``CheckpointError``."""
-        self.finish(error)
-
-    def finish(self, error: BaseException | None) -> Published:
-        """Agree on the write, publish on rank 0, agree again, then retention (rank 0)."""
-        if self._finished:
-            raise CheckpointError(f"Checkpoint version {self.path} was already finished.")
-        self._finished = True
-        pub = self.publisher
-        outcome: bool | BaseException = True if error is None else error
-        if error is None:
-            try:
-                pub._hook(PHASE_WRITTEN)
-                if pub.fsync:
-                    fsync_tree(self.path, files=True, dirs=False)
-            except Exception as exc:
-                outcome = exc
-        try:
-            agree(outcome, f"checkpoint {self.name!r} write into {self.path}", pub.group)
-        except CheckpointError:
-            self._discard()
-            raise
-        outcome, result = True, None
-        if pub.is_rank0:
-            try:
-                result = pub._publish(self)
-            except Exception as exc:
-                outcome = exc
-        try:
-            agree(outcome, f"checkpoint {self.name!r} publish of {self.path}", pub.group)
-        except CheckpointError:
-            self._discard()
-            raise
-        result = broadcast_from_rank0(result, pub.group)
-        if pub.is_rank0:
-            unregister_in_flight(pub.root, self.version_id)
-            pub._retention(result)
-        return result
-
-    def discard(self) -> None:
-        """Give up without agreement (training failed, peers may be gone): never published;
-        rank 0 removes the directory now, other ranks' leftovers go at the next save."""
-        self._finished = True
-        self._discard()
-
-    def _discard(self) -> None:
-        """Rank 0: remove this unpublished version (best-effort; never a published one)."""
-        pub = self.publisher
-        if not pub.is_rank0:
-            return
-        try:
-            if read_link(pub.root, self.name) != self.version_id:
-                remove_version(self.path)
-        except (OSError, CheckpointError) as exc:
-            log.warning("Could not remove unpublished checkpoint %s: %s", self.path, exc)
-        finally:
-            unregister_in_flight(pub.root, self.version_id)
-
-
 class Publisher:
     """Publishes versions under names in one checkpoint root (see the module docstring).
 
     ``group``: the process group whose ranks write together (None = default group, or a
-    single process). ``grace_s``: how long a version stays on disk after no name points
-    to it any more (it always survives until the next save begins). ``fault_hook``: called
-    with each phase name (``PHASES``) at that point; tests use it to inject crashes/faults.
+    single process). ``keep_last``: how many prunable names of a kind to keep (0 = all).
+    ``fault_hook``: called with each phase name (``PHASES``); tests inject faults with it.
     """
 
     def __init__(
@@ -193,22 +127,17 @@ class Publisher:
         keep_last: int = 0,
         fsync: bool = True,
         group: Any = None,
-        grace_s: float = 0.0,
         fault_hook: FaultHook | None = None,
     ) -> None:
         if keep_last < 0:
             raise CheckpointError(f"keep_last must be >= 0 (0 = keep all), got {keep_last}.")
         self.root = Path(root)
         self.keep_last, self.fsync, self.group = keep_last, fsync, group
-        self.grace_s, self.fault_hook = grace_s, fault_hook
+        self.fault_hook = fault_hook
 
     @property
     def is_rank0(self) -> bool:
         return rank(self.group) == 0
-
-    def _hook(self, phase: str) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(phase)
 
     def begin(
         self,
@@ -217,34 +146,15 @@ class Publisher:
         kind: str = KIND_CHECKPOINT,
         step: int | None = None,
         prunable: bool = True,
-        metadata: dict[str, Any] | None = None,
     ) -> PendingVersion:
-        """Prepare phase (collective): a fresh, empty version directory for ``name``.
+        """Prepare (collective): a fresh, empty version directory for ``name``.
 
         ``kind`` separates checkpoints from exports (``latest_complete`` and retention look
         at one kind); ``prunable=False`` exempts the name from ``keep_last``.
         """
-        validate_name(name)
-        outcome: bool | BaseException = True
-        version_id: str | None = None
-        try:
-            if self.is_rank0:
-                version_id = self._prepare(name)
-            self._hook(PHASE_PREPARED)
-        except Exception as exc:
-            outcome = exc
-        try:
-            agree(outcome, f"checkpoint {name!r} prepare in {self.root}", self.group)
-        except CheckpointError:
-            if version_id is not None:
-                with suppress(OSError):
-                    remove_version(version_dir(self.root, version_id))
-                unregister_in_flight(self.root, version_id)
-            raise
-        version_id = broadcast_from_rank0(version_id, self.group)
-        return PendingVersion(
-            self, name, version_id, kind=kind, step=step, prunable=prunable, metadata=metadata
-        )
+        pending = PendingVersion(self, validate_name(name), kind=kind, step=step, prunable=prunable)
+        pending._begin()
+        return pending
 
     @contextmanager
     def write(self, name: str, **options: Any) -> Iterator[Path]:
@@ -260,141 +170,227 @@ class Publisher:
             raise
         pending.commit()
 
-    def _prepare(self, name: str) -> str:
-        link = link_path(self.root, name)
-        if not versions_dir(self.root).is_dir():
-            versions_dir(self.root).mkdir(parents=True, exist_ok=True)
-            if self.fsync:
+
+class PendingVersion:
+    """A version being written; every rank must call ``finish`` (or commit/abort) once."""
+
+    def __init__(
+        self, publisher: Publisher, name: str, *, kind: str, step: int | None, prunable: bool
+    ) -> None:
+        self.publisher = publisher
+        self.root = publisher.root
+        self.name = name
+        self.kind, self.step, self.prunable = kind, step, prunable
+        self.version_id = ""  # set by _begin(), on every rank
+        self._finished = False
+
+    @property
+    def path(self) -> Path:
+        return version_dir(self.root, self.version_id)
+
+    # ------------------------------------------------------------------ the sequence
+    def _begin(self) -> None:
+        """Phase 1 (collective): rank 0 prepares the version, every rank learns its id."""
+        pub = self.publisher
+
+        def prepare() -> None:
+            if pub.is_rank0:
+                self._prepare()
+            fire(pub.fault_hook, PHASE_PREPARED)
+
+        self._agreed(f"checkpoint {self.name!r} prepare in {self.root}", prepare)
+        self.version_id = broadcast_from_rank0(self.version_id, pub.group)
+
+    def finish(self, error: BaseException | None) -> Published:
+        """Phases 2-6 (collective): write, manifest, flush, point; then retain on rank 0.
+
+        ``error``: this rank's failure to write its files (None if they are all written).
+        """
+        if self._finished:
+            raise CheckpointError(f"Checkpoint version {self.path} was already finished.")
+        self._finished = True
+        pub, what = self.publisher, f"checkpoint {self.name!r}"
+        self._agreed(f"{what} write into {self.path}", self._write, error=error)
+
+        def publish() -> Published:  # rank 0
+            manifest = self._write_manifest()
+            self._flush()
+            previous = self._point()
+            return Published(self.name, self.path.resolve(), manifest, previous=previous)
+
+        published = self._agreed(f"{what} publish of {self.path}", publish, rank0_only=True)
+        published = broadcast_from_rank0(published, pub.group)
+        if pub.is_rank0:
+            _unregister(self.root, self.version_id)
+            self._retain(published)
+        return published
+
+    def commit(self) -> Published:
+        return self.finish(None)
+
+    def abort(self, error: BaseException) -> None:
+        """Report this rank's write failure; raises the agreed ``CheckpointError``."""
+        self.finish(error)
+
+    # ------------------------------------------------------------------ the phases, in order
+    def _prepare(self) -> None:
+        """Rank 0: make ``.versions``, refuse a legacy name, clean debris, create the version."""
+        pub, versions = self.publisher, versions_dir(self.root)
+        if not versions.is_dir():
+            versions.mkdir(parents=True, exist_ok=True)
+            if pub.fsync:
                 fsync_dir(self.root)  # .versions must outlive a power loss before any name
-        if os.path.lexists(link) and not link.is_symlink():
-            raise _legacy_error(link)
+        _refuse_legacy(link_path(self.root, self.name))
         try:
-            collect_garbage(self.root, protected=in_flight(self.root), grace_s=self.grace_s)
+            collect_garbage(self.root, protected=_in_flight(self.root))
         except Exception as exc:  # cleanup never fails a save
             log.warning("Checkpoint cleanup in %s failed (ignored): %s", self.root, exc)
-        version_id = new_version_id(name)
-        register_in_flight(self.root, version_id)
+        version_id = new_version_id(self.name)
+        _register(self.root, version_id)
         try:
             version_dir(self.root, version_id).mkdir()
         except BaseException:
-            unregister_in_flight(self.root, version_id)
+            _unregister(self.root, version_id)
             raise
-        return version_id
+        self.version_id = version_id
 
-    def _publish(self, pending: PendingVersion) -> Published:
-        """Rank 0: manifest last, flush, then atomically point the name at the version."""
-        path, name = pending.path, pending.name
-        self._hook(PHASE_BEFORE_MANIFEST)
-        if self.fsync:
-            fsync_tree(path, files=False, dirs=True)
+    def _write(self) -> None:
+        """Every rank, after its writes: flush every file it can see in the version (each
+        writer flushes its own; a clean file's fsync is nearly free)."""
+        fire(self.publisher.fault_hook, PHASE_WRITTEN)
+        if self.publisher.fsync:
+            fsync_tree(self.path, files=True, dirs=False)
+
+    def _write_manifest(self) -> Manifest:
+        """Rank 0: the manifest, last, describing every file all ranks wrote."""
+        pub = self.publisher
+        fire(pub.fault_hook, PHASE_BEFORE_MANIFEST)
         manifest = build_manifest(
-            path,
-            name=name,
-            kind=pending.kind,
-            step=pending.step,
-            world_size=world_size(self.group),
-            prunable=pending.prunable,
-            metadata=pending.metadata,
+            self.path,
+            name=self.name,
+            kind=self.kind,
+            step=self.step,
+            world_size=world_size(pub.group),
+            prunable=self.prunable,
         )
-        write_manifest(path, manifest, fsync=self.fsync)
-        if self.fsync:
-            fsync_dir(path)  # the manifest's entry
-            fsync_dir(versions_dir(self.root))  # the version directory's entry
-        self._hook(PHASE_AFTER_MANIFEST)
-        previous = self._point(name, pending.version_id)
-        return Published(name=name, path=path.resolve(), manifest=manifest, previous=previous)
+        write_manifest(self.path, manifest, fsync=pub.fsync)
+        return manifest
 
-    def _point(self, name: str, version_id: str) -> str | None:
-        """Atomically make ``name`` point to ``version_id``; roll back if a later step fails."""
-        link = link_path(self.root, name)
-        if os.path.lexists(link) and not link.is_symlink():
-            raise _legacy_error(link)
+    def _flush(self) -> None:
+        """Rank 0: every directory entry of the version is durable before the name moves."""
+        pub = self.publisher
+        if pub.fsync:
+            fsync_tree(self.path, files=False, dirs=True)  # subdirectories, then the version
+            fsync_dir(versions_dir(self.root))  # the version directory's own entry
+        fire(pub.fault_hook, PHASE_AFTER_MANIFEST)
+
+    def _point(self) -> str | None:
+        """Rank 0: atomically point the name at the version; return the previous version id.
+
+        Rolled back to the previous version if anything fails after the replace.
+        """
+        pub, link = self.publisher, link_path(self.root, self.name)
+        _refuse_legacy(link)  # a directory may have appeared since prepare
         try:
-            previous = read_link(self.root, name)
+            previous = read_link(self.root, self.name)
         except CheckpointError:
             previous = None  # a malformed link is replaced like any other
-        tmp = temp_link_path(self.root, name, uuid.uuid4().hex[:16])
-        register_in_flight(self.root, tmp.name)
+        tmp = temp_link_path(self.root, self.name, uuid.uuid4().hex[:16])
+        _register(self.root, tmp.name)
         try:
-            os.symlink(link_target(version_id), tmp)
-            self._hook(PHASE_BEFORE_REPLACE)
+            os.symlink(link_target(self.version_id), tmp)
+            fire(pub.fault_hook, PHASE_BEFORE_REPLACE)
             os.replace(tmp, link)
         except BaseException:
             with suppress(OSError):
                 tmp.unlink()
             raise
         finally:
-            unregister_in_flight(self.root, tmp.name)
+            _unregister(self.root, tmp.name)
         try:
-            self._hook(PHASE_AFTER_REPLACE)
-            if self.fsync:
+            fire(pub.fault_hook, PHASE_AFTER_REPLACE)
+            if pub.fsync:
                 fsync_dir(self.root)
         except BaseException as exc:
-            self._roll_back(name, previous, exc)
+            self._roll_back(previous, exc)
             raise
-        if previous is not None and previous != version_id:
-            retire(version_dir(self.root, previous))
         return previous
 
-    def _roll_back(self, name: str, previous: str | None, cause: BaseException) -> None:
-        link = link_path(self.root, name)
+    def _roll_back(self, previous: str | None, cause: BaseException) -> None:
+        link = link_path(self.root, self.name)
         try:
             if previous is None:
                 link.unlink()
             else:
-                tmp = temp_link_path(self.root, name, uuid.uuid4().hex[:16])
+                tmp = temp_link_path(self.root, self.name, uuid.uuid4().hex[:16])
                 os.symlink(link_target(previous), tmp)
                 os.replace(tmp, link)
         except OSError as exc:
-            log.error(
-                "Rolling %s back after %r failed (%s); it points to the new version.",
-                link,
-                cause,
-                exc,
-            )
+            msg = "Rolling %s back after %r failed (%s); it points to the new version."
+            log.error(msg, link, cause, exc)
 
-    def alias(self, name: str, existing: str) -> Path:
-        """Point ``name`` at the version ``existing`` points to (collective; e.g. ``best``)."""
-        validate_name(name)
-        outcome: bool | BaseException = True
-        try:
-            if self.is_rank0:
-                version_id = read_link(self.root, existing)
-                if version_id is None:
-                    raise CheckpointError(
-                        f"Cannot alias {name!r} to {existing!r} in {self.root}: {existing!r} "
-                        f"is not a published checkpoint link."
-                    )
-                check_complete(version_dir(self.root, version_id))
-                self._point(name, version_id)
-        except Exception as exc:
-            outcome = exc
-        agree(outcome, f"checkpoint alias {name!r} -> {existing!r} in {self.root}", self.group)
-        return (self.root / name).resolve()
-
-    def _retention(self, published: Published) -> None:
-        """Best-effort, rank 0: prune beyond ``keep_last``, then collect garbage."""
+    def _retain(self, published: Published) -> None:
+        """Rank 0, best-effort: prune beyond ``keep_last``, then collect garbage. The version
+        the name moved away from stays until the next save: readers may still be in it."""
+        pub = self.publisher
         try:
             prune_names(
                 self.root,
-                keep_last=self.keep_last,
-                kind=published.manifest.kind,
-                keep_name=published.name,
-                fault_hook=self.fault_hook,
+                keep_last=pub.keep_last,
+                kind=self.kind,
+                keep_name=self.name,
+                fault_hook=pub.fault_hook,
             )
-            protected = set(in_flight(self.root))
+            protected = _in_flight(self.root)
             if published.previous is not None:
-                protected.add(published.previous)  # readers may still be in it
-            collect_garbage(
-                self.root, protected=protected, grace_s=self.grace_s, fault_hook=self.fault_hook
-            )
+                protected.add(published.previous)
+            collect_garbage(self.root, protected=protected, fault_hook=pub.fault_hook)
         except Exception as exc:
             log.warning("Checkpoint retention in %s failed (ignored): %s", self.root, exc)
 
+    # ------------------------------------------------------------------ agreeing, giving up
+    def _agreed(
+        self,
+        what: str,
+        step: Callable[[], T],
+        *,
+        error: BaseException | None = None,
+        rank0_only: bool = False,
+    ) -> T | None:
+        """Run ``step`` on this rank (unless it already failed with ``error``), then agree on
+        the outcome across ranks; if any rank failed, remove the version and raise the
+        agreed ``CheckpointError`` (the same on every rank)."""
+        outcome: bool | BaseException = True if error is None else error
+        result = None
+        if error is None and (self.publisher.is_rank0 or not rank0_only):
+            try:
+                result = step()
+            except Exception as exc:
+                outcome = exc
+        try:
+            agree(outcome, what, self.publisher.group)
+        except CheckpointError:
+            self._remove()
+            raise
+        return result
 
-__all__ = [
-    "PHASES",
-    "Publisher",
-    "PendingVersion",
-    "Published",
-]
+    def discard(self) -> None:
+        """Give up without agreement (training failed, peers may be gone): never published;
+        rank 0 removes the directory now, other ranks' leftovers go at the next save."""
+        self._finished = True
+        self._remove()
+
+    def _remove(self) -> None:
+        """Rank 0: remove this unpublished version (best-effort; never a published one)."""
+        if not self.publisher.is_rank0 or not self.version_id:
+            return
+        try:
+            if read_link(self.root, self.name) != self.version_id:
+                remove_version(self.path)
+        except (OSError, CheckpointError) as exc:
+            log.warning("Could not remove unpublished checkpoint %s: %s", self.path, exc)
+        finally:
+            _unregister(self.root, self.version_id)
+
+
+__all__ = ["PHASES", "PendingVersion", "Published", "Publisher"]

@@ -14,7 +14,6 @@ from typing import Any
 
 from veoptim.checkpoint.layout import (
     VERSIONS_DIR,
-    is_within,
     link_path,
     manifest_path,
     parse_link_target,
@@ -37,7 +36,10 @@ def read_link(root: Path, name: str) -> str | None:
     path = link_path(root, name)
     if not path.is_symlink():
         return None
-    target = os.readlink(path)
+    try:
+        target = os.readlink(path)
+    except FileNotFoundError:
+        return None  # retention pruned the name just now
     version_id = parse_link_target(target)
     if version_id is None:
         raise CheckpointError(
@@ -63,6 +65,13 @@ def published_names(root: Path) -> dict[str, str]:
         if version_id is not None:
             out[entry] = version_id
     return out
+
+
+def is_within(path: Path, root: Path) -> bool:
+    """True iff the real location of ``path`` is ``root``'s real location or below it
+    (a ``.versions`` that is itself a symlink must not lead a reader out of the root)."""
+    real, real_root = Path(path).resolve(), Path(root).resolve()
+    return real == real_root or real_root in real.parents
 
 
 def check_complete(version: Path, *, verify_checksums: bool = True) -> Manifest:
@@ -142,8 +151,8 @@ def latest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> str | None:
 
     Newest = highest manifest ``step`` (versions without a step count as -1), ties broken
     by the manifest's creation time, then by preferring the name a version was published
-    under over an alias. Incomplete versions and legacy directories without a manifest are
-    skipped with a warning.
+    under over another name linked to it by hand. Incomplete versions and legacy
+    directories without a manifest are skipped with a warning.
     """
     root = Path(root)
     candidates: list[tuple[tuple[int, int, int], str]] = []

@@ -3,7 +3,7 @@
     python crash_writer.py ROOT --name ckpt --step 2 --die-at before_replace
     python crash_writer.py ROOT --loop [--count N]   # save step_N and latest (until killed)
 
-``--die-at`` takes a publisher phase (``veoptim.checkpoint.publish.PHASES``) or
+``--die-at`` takes a publisher phase (``veoptim.checkpoint.faults.PHASES``) or
 ``mid_shard`` (inside a shard, before the writer finishes it).
 """
 
@@ -16,7 +16,6 @@ import signal
 import sys
 from pathlib import Path
 
-import light_imports  # noqa: F401  (before veoptim)
 from payload import write_payload
 
 from veoptim.checkpoint.layout import step_name
@@ -46,7 +45,6 @@ def main() -> int:
     parser.add_argument("--die-at", default="")
     parser.add_argument("--shard-bytes", type=int, default=4096)
     parser.add_argument("--keep-last", type=int, default=0)
-    parser.add_argument("--grace", type=float, default=0.0)
     parser.add_argument("--no-fsync", action="store_true")
     parser.add_argument("--loop", action="store_true")
     parser.add_argument("--count", type=int, default=0, help="--loop: stop after N steps")
@@ -63,7 +61,6 @@ def main() -> int:
         args.root,
         keep_last=args.keep_last,
         fsync=not args.no_fsync,
-        grace_s=args.grace,
         fault_hook=die_at,
     )
     if not args.loop:

@@ -3,8 +3,10 @@
     python reader.py ROOT STOP_FILE
 
 Each read resolves a name once (``latest``, or whatever ``latest_complete`` picks), then
-reads every file from that version. Any read that fails or sees a torn/mixed version is
-reported.
+reads every file from that version. A read whose version was removed meanwhile (the name
+moved on and a later save collected the old version, manifest first) is counted as
+``vanished``: the documented outcome for a slow reader. Any other failure, and any torn or
+mixed version, is reported.
 """
 
 from __future__ import annotations
@@ -13,28 +15,44 @@ import json
 import sys
 from pathlib import Path
 
-import light_imports  # noqa: F401  (before veoptim)
 from payload import check_payload
 
+from veoptim.checkpoint.layout import manifest_path, version_dir
 from veoptim.checkpoint.manifest import read_manifest
-from veoptim.checkpoint.resolve import latest_complete, resolve
+from veoptim.checkpoint.resolve import latest_complete, read_link, resolve_version
+
+
+def removed(root: Path, name: str, version_id: str | None) -> bool:
+    """True iff ``name`` no longer points to ``version_id`` and that version is being or
+    has been deleted (its manifest, deleted first, is gone)."""
+    if version_id is None or read_link(root, name) == version_id:
+        return False
+    return not manifest_path(version_dir(root, version_id)).exists()
 
 
 def main() -> int:
     root, stop = Path(sys.argv[1]), Path(sys.argv[2])
-    reads, failures, steps = 0, [], set()
+    reads, vanished, failures, steps = 0, 0, [], set()
     while not stop.exists() or reads < 20:
         name = "latest" if reads % 2 else latest_complete(root)
+        version_id = None
         try:
-            version = resolve(root, name)
+            version_id = read_link(root, name)
+            if version_id is None:
+                raise ValueError(f"{name!r} is not a published name in {root}")
+            version = resolve_version(root, version_id)
             step = check_payload(version)
             if read_manifest(version).step != step:
                 raise ValueError(f"manifest step differs from payload step {step} in {version}")
             steps.add(step)
         except Exception as exc:
-            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            if removed(root, name, version_id):
+                vanished += 1
+            else:
+                failures.append(f"{name}: {type(exc).__name__}: {exc}")
         reads += 1
-    print(json.dumps({"reads": reads, "failures": failures[:20], "steps": sorted(steps)}))
+    report = {"reads": reads, "vanished": vanished, "failures": failures[:20]}
+    print(json.dumps({**report, "steps": sorted(steps)}))
     return 0
 
 
