@@ -9,11 +9,11 @@ from callbacks.hf_export import HFExportCallback
 from callbacks.metrics import MetricsFileCallback, TensorBoardCallback, WandbCallback
 from callbacks.progress import ProgressCallback
 from callbacks.run_files import ResolvedConfigCallback
-from veoptim.config.schema import SFTConfig
+from veoptim.config.schema import TrainerConfig
 from veoptim.trainer import Callback
 
 
-def standard_callbacks(cfg: SFTConfig, resolved: dict[str, Any]) -> list[Callback]:
+def standard_callbacks(cfg: TrainerConfig, resolved: dict[str, Any]) -> list[Callback]:
     """The callbacks every task uses, in hook order: run files, checkpoints, metrics, progress."""
     callbacks: list[Callback] = [
         ResolvedConfigCallback(resolved),

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from veoptim.checkpoint.convert import convert_to_hf
 from veoptim.errors import VeoptimError
+from veoptim.state.convert import convert_to_hf
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from veoptim.config import schema
+from veoptim.objectives import SFTConfig
 
 HEADER = """# Config reference
 
-Generated from `veoptim/config/schema.py` by `scripts/gen_config_docs.py`
+Generated from the config dataclasses (`veoptim/config/schema.py` and the SFT
+task's `veoptim/objectives/sft.py`) by `scripts/gen_config_docs.py`
 (`make docs`); a test fails when this page and the dataclasses disagree.
 Override any key on the command line: `python -m tasks.sft optim.lr=1e-4`.
 Choose a config group file with `group=name` (e.g. `optim=master_fp32_adamw`,
@@ -29,7 +30,7 @@ def _type_name(tp: object) -> str:
 
 def _rows(cls: type, prefix: str) -> list[str]:
     rows: list[str] = []
-    hints = typing.get_type_hints(cls, vars(schema))
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         key = f"{prefix}{f.name}"
@@ -46,8 +47,8 @@ def _rows(cls: type, prefix: str) -> list[str]:
 
 def render() -> str:
     out = [HEADER]
-    hints = typing.get_type_hints(schema.SFTConfig, vars(schema))
-    for f in dataclasses.fields(schema.SFTConfig):
+    hints = typing.get_type_hints(SFTConfig)
+    for f in dataclasses.fields(SFTConfig):
         out.append(f"\n## `{f.name}`\n")
         out.append("| key | type | default | meaning |")
         out.append("| --- | --- | --- | --- |")

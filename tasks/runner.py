@@ -1,17 +1,25 @@
-"""What every training task does once its config is composed: set up, train, tear down."""
+"""What every training task does once its config is composed: set up, train, tear down.
+
+A task is a few lines (see ``tasks/sft.py``): its schema (a ``TrainerConfig``
+subclass that builds its objective) registered under its name, and ``task_main``.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 
+import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks import standard_callbacks
-from veoptim.config import to_sft_config
+from tasks.compose import CONFIG_DIR
+from veoptim.config import TrainerConfig, register_schema, to_config
 from veoptim.distributed import init_distributed, setup_logging
+from veoptim.errors import VeoptimError
 from veoptim.trainer import Callback, Metrics, Trainer
 
 log = logging.getLogger("veoptim")
@@ -24,22 +32,22 @@ def run_dir_of_job(cfg: DictConfig) -> str:
     return cfg.run.dir
 
 
-def run_sft(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, float]:
-    """Train from a composed config; returns the first and last logged loss."""
+def run_task(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, float]:
+    """Train from a composed task config; returns the first and last logged loss."""
     cfg = cfg.copy()
     cfg.run.dir = run_dir_of_job(cfg)
-    sft = to_sft_config(cfg)
-    resolved = OmegaConf.to_container(OmegaConf.structured(sft), resolve=True)
-    ctx = init_distributed(sft.run.device, sft.parallel.backend, env)
+    config = to_config(cfg)
+    resolved = OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+    ctx = init_distributed(config.run.device, config.parallel.backend, env)
     try:
-        setup_logging(ctx, sft.logging.level)
+        setup_logging(ctx, config.logging.level)
         losses: list[float] = []
         summary = _LossRecorder(losses)
-        trainer = Trainer.from_config(sft, ctx, [*standard_callbacks(sft, resolved), summary])
+        trainer = Trainer.from_config(config, ctx, [*standard_callbacks(config, resolved), summary])
         log.info(
             "training %s (%s, optim=%s) for %d steps on %s x%d; run dir %s",
-            sft.model.name, sft.model.arch, sft.optim.name, trainer.last_step,
-            ctx.device, ctx.world_size, sft.run.dir,
+            config.model.name, config.model.arch, config.optim.name, trainer.last_step,
+            ctx.device, ctx.world_size, config.run.dir,
         )  # fmt: skip
         trainer.train()
         if losses:
@@ -48,6 +56,21 @@ def run_sft(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, f
                 "final_loss": losses[-1] if losses else float("nan")}  # fmt: skip
     finally:
         ctx.close()
+
+
+def task_main(name: str, schema: type[TrainerConfig]) -> Callable[[], None]:
+    """The ``python -m tasks.<name>`` entry point: ``configs/<name>.yaml`` under Hydra."""
+    register_schema(name, schema)
+
+    @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=name)
+    def main(cfg: DictConfig) -> float:
+        try:
+            return run_task(cfg)["final_loss"]
+        except VeoptimError as error:
+            logging.getLogger("veoptim").error("%s: %s", type(error).__name__, error)
+            sys.exit(2)
+
+    return main
 
 
 class _LossRecorder(Callback):

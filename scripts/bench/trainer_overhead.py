@@ -16,16 +16,16 @@ import time
 import torch
 
 from tasks.compose import compose_config
-from veoptim.config import to_sft_config
+from veoptim.config import to_config
 from veoptim.data import collate
 from veoptim.distributed import init_distributed
+from veoptim.objectives import summed_token_loss
 from veoptim.trainer import Trainer
-from veoptim.trainer.loss import summed_token_loss
 
 
 def build_trainer(steps: int) -> Trainer:
     overrides = ["run.device=cpu", f"train.max_steps={steps}", "logging.progress=false"]
-    cfg = to_sft_config(compose_config("sft", overrides))
+    cfg = to_config(compose_config("sft", overrides))
     return Trainer.from_config(cfg, init_distributed("cpu", "auto", {}))
 
 
@@ -41,7 +41,8 @@ def time_trainer(trainer: Trainer, steps: int) -> tuple[float, int]:
 def time_minimal_loop(trainer: Trainer, steps: int) -> tuple[float, int]:
     """The same work as a hand-written loop: collate, forward, loss, backward, step."""
     model, opt, sched = trainer.model, trainer.optimizer, trainer.scheduler
-    dataset, sampler, pad_id = trainer.dataset, trainer.sampler, trainer.tokenizer.pad_token_id
+    dataset, sampler = trainer.objective.dataset, trainer.sampler
+    pad_id = trainer.tokenizer.pad_token_id
     tokens = 0
     start = time.perf_counter()
     for _ in range(steps):

@@ -1,4 +1,4 @@
-"""CUDA paths that a CPU-only run cannot exercise (SPEC §4, §11): skipped without a GPU.
+"""CUDA paths of the optimizers that a CPU-only run cannot exercise: skipped without a GPU.
 
 Offload on CUDA streams gradients device -> pinned host slot -> host kernel -> pinned
 slot -> device with non-blocking copies and events. Its host arithmetic is the CPU
@@ -63,7 +63,13 @@ def test_resident_cuda_update_tracks_the_fp32_reference():
 
 
 def test_sft_trains_and_round_trips_a_checkpoint_on_cuda(tmp_path):
-    from tests.checkpoint.ckpt_state import assert_bitwise_equal, build_trainer, snapshot
+    from tests.checkpoint.ckpt_state import (
+        assert_bitwise_equal,
+        build_trainer,
+        load_with,
+        save_with,
+        snapshot,
+    )
     from veoptim.checkpoint.checkpointer import Checkpointer
     from veoptim.distributed import init_distributed
 
@@ -72,9 +78,9 @@ def test_sft_trains_and_round_trips_a_checkpoint_on_cuda(tmp_path):
     writer = build_trainer(tmp_path / "w", overrides, ctx)
     losses = [writer.train_step()["loss"] for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))
-    Checkpointer(tmp_path / "ckpt", fsync=False).save(writer.training_state(), "step_3")
+    save_with(Checkpointer(tmp_path / "ckpt", fsync=False), writer, "step_3")
     reader = build_trainer(tmp_path / "r", overrides, ctx)
-    Checkpointer(tmp_path / "ckpt", fsync=False).load(reader.training_state(), "step_3")
+    load_with(Checkpointer(tmp_path / "ckpt", fsync=False), reader, "step_3")
     before, after = snapshot(writer), snapshot(reader)
     assert_bitwise_equal(before["params"], after["params"], "params")
     assert_bitwise_equal(before["state"], after["state"], "optimizer state")

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 from tasks.compose import compose_config
-from veoptim.checkpoint.rng import capture_rng
-from veoptim.config import to_sft_config
+from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.config import to_config
 from veoptim.distributed import DistContext, init_distributed
 from veoptim.optim.dtensor_util import local
+from veoptim.state.rng import capture_rng
 from veoptim.trainer import Trainer
 
 TINY = [
@@ -28,7 +29,7 @@ TINY = [
 
 
 def build_trainer(run_dir, overrides: list[str] = (), ctx: DistContext | None = None) -> Trainer:
-    cfg = to_sft_config(compose_config("sft", [*TINY, f"run.dir={run_dir}", *overrides]))
+    cfg = to_config(compose_config("sft", [*TINY, f"run.dir={run_dir}", *overrides]))
     return Trainer.from_config(cfg, ctx or init_distributed("cpu", "auto", {}))
 
 
@@ -64,3 +65,15 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def save_with(checkpointer: Checkpointer, trainer: Trainer, name: str):
+    """Save the trainer's state as ``name`` through ``checkpointer`` (a root of the test's)."""
+    trainer.checkpointer = checkpointer
+    return trainer.save_checkpoint(name)
+
+
+def load_with(checkpointer: Checkpointer, trainer: Trainer, ref: str, **kwargs):
+    """Load ``ref`` from ``checkpointer``'s root into the trainer's state."""
+    trainer.checkpointer = checkpointer
+    return trainer.load_checkpoint(ref, **kwargs)

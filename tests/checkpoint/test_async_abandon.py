@@ -30,7 +30,7 @@ def test_failed_training_abandons_the_in_flight_async_save(tmp_path):
     trainer.callbacks.callbacks += [callback, FailAt(3)]
     with pytest.raises(RuntimeError, match="blew up"):
         trainer.train()
-    root = callback.checkpointer.root
+    root = trainer.checkpointer.root
     assert latest_complete(root) is None and not (root / step_name(2)).exists()
     # The next run saves normally and removes the abandoned version directory.
     again = build_trainer(tmp_path, ["checkpoint.save_steps=1", "train.stop_at_step=1"])

@@ -1,4 +1,4 @@
-"""Bad checkpoints fail closed: one clear CheckpointError, the live run bitwise unchanged (SPEC §5.3, §9).
+"""Bad checkpoints fail closed: one clear CheckpointError, the live run bitwise unchanged.
 
 Each bad checkpoint is a real, validly *published* version (its manifest matches
 its files) whose content is wrong — what a buggy writer, another run or an attacker
@@ -19,15 +19,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-from tests.checkpoint.ckpt_state import assert_bitwise_equal, build_trainer, snapshot
+from tests.checkpoint.ckpt_state import (
+    assert_bitwise_equal,
+    build_trainer,
+    load_with,
+    save_with,
+    snapshot,
+)
 from veoptim.checkpoint import Publisher, resolve, step_name
-from veoptim.checkpoint import format as F
+from veoptim.checkpoint import contents as C
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.errors import CheckpointError
+from veoptim.state import MODEL, OPTIMIZER, SAMPLER
 from veoptim.trainer import Trainer
 
 GOOD = step_name(3)
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,7 @@ def saved(tmp_path_factory) -> tuple[Path, Trainer]:
     trainer = build_trainer(run_dir)
     for _ in range(3):
         trainer.train_step()
-    Checkpointer(run_dir / "ckpt", fsync=False).save(trainer.training_state(), GOOD)
+    save_with(Checkpointer(run_dir / "ckpt", fsync=False), trainer, GOOD)
     return run_dir / "ckpt", trainer
 
 
@@ -59,11 +67,11 @@ def republish(
     source = resolve(root, GOOD)
     with Publisher(root, fsync=False).write(name) as out:
         for item in source.iterdir():
-            if item.name == MANIFEST_FILE or (tensors is not None and item.name == F.DCP_DIR):
+            if item.name == MANIFEST_FILE or (tensors is not None and item.name == C.DCP_DIR):
                 continue
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, out / item.name)
         if tensors is not None:
-            dcp.save(tensors, checkpoint_id=out / F.DCP_DIR)
+            dcp.save(tensors, checkpoint_id=out / C.DCP_DIR)
         if edit is not None:
             edit(out)
 
@@ -72,22 +80,22 @@ def tensors_of(trainer: Trainer) -> dict:
     """The writer's tensors in fresh containers (DCP hands out the optimizer's own dicts)."""
     state = get_optimizer_state_dict(trainer.model, trainer.optimizer)["state"]
     return {
-        F.MODEL_PREFIX: dict(get_model_state_dict(trainer.model)),
-        F.OPTIMIZER_PREFIX: {fqn: dict(entry) for fqn, entry in state.items()},
+        MODEL: dict(get_model_state_dict(trainer.model)),
+        OPTIMIZER: {fqn: dict(entry) for fqn, entry in state.items()},
     }
 
 
 def assert_fails_closed(live: Trainer, root: Path, name: str, match: str, **kwargs) -> str:
     before = snapshot(live)
     with pytest.raises(CheckpointError, match=match) as info:
-        Checkpointer(root, fsync=False).load(live.training_state(), name, **kwargs)
+        load_with(Checkpointer(root, fsync=False), live, name, **kwargs)
     assert_bitwise_equal(before, snapshot(live), "live state")
     return str(info.value)
 
 
 def test_good_checkpoint_loads_into_a_fresh_run(saved, live):
     root, writer = saved
-    Checkpointer(root).load(live.training_state(), GOOD)
+    load_with(Checkpointer(root), live, GOOD)
     assert live.progress.global_step == 3
     assert_bitwise_equal(snapshot(writer)["params"], snapshot(live)["params"])
     assert_bitwise_equal(snapshot(writer)["state"], snapshot(live)["state"])
@@ -96,7 +104,7 @@ def test_good_checkpoint_loads_into_a_fresh_run(saved, live):
 def test_missing_tensor(saved, live):
     root, writer = saved
     tensors = tensors_of(writer)
-    del tensors[F.MODEL_PREFIX]["lm_head.weight"]
+    del tensors[MODEL]["lm_head.weight"]
     republish(root, "missing_tensor", tensors)
     message = assert_fails_closed(live, root, "missing_tensor", "missing 1 tensor")
     assert "model.lm_head.weight" in message
@@ -105,7 +113,7 @@ def test_missing_tensor(saved, live):
 def test_missing_optimizer_state_key(saved, live):
     root, writer = saved
     tensors = tensors_of(writer)
-    del tensors[F.OPTIMIZER_PREFIX]["model.norm.weight"]["exp_avg_sq"]
+    del tensors[OPTIMIZER]["model.norm.weight"]["exp_avg_sq"]
     republish(root, "missing_moment", tensors)
     assert_fails_closed(live, root, "missing_moment", r"optimizer\.model\.norm\.weight\.exp_avg_sq")
 
@@ -113,7 +121,7 @@ def test_missing_optimizer_state_key(saved, live):
 def test_extra_tensor(saved, live):
     root, writer = saved
     tensors = tensors_of(writer)
-    tensors[F.MODEL_PREFIX]["surprise.weight"] = torch.zeros(3)
+    tensors[MODEL]["surprise.weight"] = torch.zeros(3)
     republish(root, "extra_tensor", tensors)
     assert_fails_closed(live, root, "extra_tensor", r"unexpected 1 tensor.*model\.surprise\.weight")
 
@@ -121,7 +129,7 @@ def test_extra_tensor(saved, live):
 def test_wrong_shape(saved, live):
     root, writer = saved
     tensors = tensors_of(writer)
-    tensors[F.MODEL_PREFIX]["model.norm.weight"] = torch.ones(65, dtype=torch.bfloat16)
+    tensors[MODEL]["model.norm.weight"] = torch.ones(65, dtype=torch.bfloat16)
     republish(root, "wrong_shape", tensors)
     assert_fails_closed(
         live,
@@ -134,7 +142,7 @@ def test_wrong_shape(saved, live):
 def test_bf16_rounded_masters_are_rejected_not_cast(saved, live):
     root, writer = saved
     tensors = tensors_of(writer)
-    for entry in tensors[F.OPTIMIZER_PREFIX].values():
+    for entry in tensors[OPTIMIZER].values():
         entry["master_weight"] = entry["master_weight"].to(torch.bfloat16)
     republish(root, "bf16_masters", tensors)
     assert_fails_closed(
@@ -146,7 +154,7 @@ def test_truncated_shard_fails_in_the_read_phase(saved, live):
     root, _ = saved
 
     def truncate(out: Path) -> None:
-        shard = next((out / F.DCP_DIR).glob("*.distcp"))
+        shard = next((out / C.DCP_DIR).glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
 
     republish(root, "truncated", edit=truncate)
@@ -158,7 +166,7 @@ def test_corrupted_metadata(saved, live):
     republish(
         root,
         "bad_metadata",
-        edit=lambda out: (out / F.DCP_DIR / ".metadata").write_bytes(b"\x80\x04garbage"),
+        edit=lambda out: (out / C.DCP_DIR / ".metadata").write_bytes(b"\x80\x04garbage"),
     )
     assert_fails_closed(live, root, "bad_metadata", "metadata .* unreadable")
 
@@ -174,9 +182,9 @@ def test_unknown_format_version(saved, live):
     root, _ = saved
 
     def bump(out: Path) -> None:
-        info = json.loads((out / F.INFO_FILE).read_text())
-        info[F.INFO_FORMAT_VERSION] = 99
-        (out / F.INFO_FILE).write_text(json.dumps(info))
+        info = json.loads((out / C.INFO_FILE).read_text())
+        info[C.INFO_FORMAT_VERSION] = 99
+        (out / C.INFO_FILE).write_text(json.dumps(info))
 
     republish(root, "future_format", edit=bump)
     assert_fails_closed(live, root, "future_format", "format_version 99")
@@ -184,7 +192,7 @@ def test_unknown_format_version(saved, live):
 
 def test_not_a_training_checkpoint(saved, live):
     root, _ = saved
-    republish(root, "no_info", edit=lambda out: (out / F.INFO_FILE).unlink())
+    republish(root, "no_info", edit=lambda out: (out / C.INFO_FILE).unlink())
     assert_fails_closed(live, root, "no_info", "checkpoint.json is missing")
 
 
@@ -192,9 +200,9 @@ def test_other_expert_parallel_layout_rejects_optimizer_state(saved, live):
     root, _ = saved
 
     def other_layout(out: Path) -> None:
-        layout = json.loads((out / F.LAYOUT_FILE).read_text())
-        layout.update(ep_size=2, num_experts=4, expert_placement=[[0, 1], [2, 3]])
-        (out / F.LAYOUT_FILE).write_text(json.dumps(layout))
+        info = json.loads((out / C.INFO_FILE).read_text())
+        info[C.INFO_LAYOUT].update(ep_size=2, num_experts=4, expert_placement=[[0, 1], [2, 3]])
+        (out / C.INFO_FILE).write_text(json.dumps(info))
 
     republish(root, "other_ep", edit=other_layout)
     message = assert_fails_closed(live, root, "other_ep", "cannot be loaded into this run")
@@ -212,7 +220,7 @@ def test_pickle_payload_in_metadata_is_never_executed(saved, live, tmp_path):
     republish(
         root,
         "pickle_payload",
-        edit=lambda out: (out / F.DCP_DIR / ".metadata").write_bytes(pickle.dumps(Payload())),
+        edit=lambda out: (out / C.DCP_DIR / ".metadata").write_bytes(pickle.dumps(Payload())),
     )
     assert_fails_closed(live, root, "pickle_payload", "refusing to unpickle")
     assert not marker.exists()
@@ -221,7 +229,7 @@ def test_pickle_payload_in_metadata_is_never_executed(saved, live, tmp_path):
 def test_non_tensor_entry_in_dcp_is_refused(saved, live):
     root, writer = saved
     tensors = tensors_of(writer)
-    tensors[F.MODEL_PREFIX]["config_blob"] = {"an": "object"}
+    tensors[MODEL]["config_blob"] = {"an": "object"}
     republish(root, "bytes_entry", tensors)
     assert_fails_closed(live, root, "bytes_entry", "non-tensor entry")
 
@@ -230,9 +238,7 @@ def test_malformed_sampler_state(saved, live):
     root, _ = saved
 
     def break_sampler(out: Path) -> None:
-        state = json.loads((out / F.TRAINER_STATE_FILE).read_text())
-        state[F.STATE_SAMPLER] = {"epoch": "soon"}
-        (out / F.TRAINER_STATE_FILE).write_text(json.dumps(state))
+        C.shared_json_path(out, SAMPLER).write_text(json.dumps({"epoch": "soon"}))
 
     republish(root, "bad_sampler", edit=break_sampler)
     assert_fails_closed(live, root, "bad_sampler", "validating checkpoint")
@@ -245,7 +251,7 @@ def test_config_that_changes_the_run_is_reported(saved, tmp_path):
     message = assert_fails_closed(other, root, GOOD, "different config")
     assert "train.max_steps: saved 6, live 7" in message
     # Weights only: the schedule may change, only the model must match.
-    Checkpointer(root).load(other.training_state(), GOOD, load_optimizer=False)
+    load_with(Checkpointer(root), other, GOOD, load_optimizer=False)
     assert other.progress.global_step == 1  # progress is not restored on a weights-only load
 
 
@@ -260,7 +266,7 @@ def test_edited_training_data_is_reported(tmp_path):
     writer = build_trainer(tmp_path / "writer", [f"data.train_path={data}"])
     writer.train_step()
     root = tmp_path / "writer" / "ckpt"
-    Checkpointer(root, fsync=False).save(writer.training_state(), "step_1")
+    save_with(Checkpointer(root, fsync=False), writer, "step_1")
     first = json.loads(lines[0])
     first["messages"][-1]["content"] += " (edited)"
     data.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
@@ -270,7 +276,7 @@ def test_edited_training_data_is_reported(tmp_path):
     assert "checkpoint.load_optimizer=false" in message
     data.write_text("\n".join(lines) + "\n")
     restored = build_trainer(tmp_path / "restored", [f"data.train_path={data}"])
-    Checkpointer(root, fsync=False).load(restored.training_state(), "step_1")
+    load_with(Checkpointer(root, fsync=False), restored, "step_1")
     assert restored.progress.global_step == 1
 
 
@@ -294,6 +300,17 @@ def test_load_into_a_fresh_run_skips_dcps_placeholder_step(saved, tmp_path):
     assert not fresh.optimizer.state
     steps: list[int] = []
     fresh.optimizer.register_step_pre_hook(lambda *args: steps.append(1))
-    Checkpointer(root).load(fresh.training_state(), GOOD)
+    load_with(Checkpointer(root), fresh, GOOD)
     assert steps == [], "DCP's zero-LR init step ran and allocated placeholder state"
     assert_bitwise_equal(snapshot(writer)["state"], snapshot(fresh)["state"])
+
+
+def test_a_format_1_checkpoint_is_refused_naming_both_versions(live, tmp_path):
+    """A real checkpoint written by the previous format (committed fixture, tiny model)."""
+    root = tmp_path / "v1"
+    shutil.copytree(FIXTURES / "checkpoint_format_v1", root, symlinks=True)
+    for load_optimizer in (True, False):
+        message = assert_fails_closed(
+            live, root, "step_00000002", "format_version 1", load_optimizer=load_optimizer
+        )
+        assert "reads format_version 2" in message

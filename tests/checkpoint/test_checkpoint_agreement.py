@@ -1,4 +1,4 @@
-"""Cross-rank agreement of training checkpoints (SPEC §5.4), on 2 real FSDP2 gloo ranks.
+"""Cross-rank agreement of training checkpoints, on 2 real FSDP2 gloo ranks.
 
 A fault injected on one rank in any phase (write, publish, validate, read, apply)
 makes every rank raise the same CheckpointError naming that rank, promptly; a failed
@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.checkpoint.ckpt_state import assert_bitwise_equal, build_trainer, snapshot
+from tests.checkpoint.ckpt_state import (
+    assert_bitwise_equal,
+    build_trainer,
+    load_with,
+    save_with,
+    snapshot,
+)
 from tests.distributed.spawn import run_ranks
 from veoptim.checkpoint import latest_complete, step_name
 from veoptim.checkpoint.checkpointer import Checkpointer
@@ -47,18 +53,18 @@ def _scenarios(ctx, out: Path) -> dict:
     trainer = build_trainer(out / "run", ["parallel=fsdp", "parallel.param_dtype=fp32"], ctx)
     root = out / "ckpt"
     trainer.train_step()
-    Checkpointer(root, fsync=False).save(trainer.training_state(), step_name(1))
+    save_with(Checkpointer(root, fsync=False), trainer, step_name(1))
     trainer.train_step()
     results: dict[str, dict] = {}
     for phase, rank in SAVE_FAULTS.items():
         saver = Checkpointer(root, fsync=False, fault_hook=_fault(phase, rank))
-        error, seconds = _attempt(lambda s=saver: s.save(trainer.training_state(), step_name(2)))
+        error, seconds = _attempt(lambda s=saver: save_with(s, trainer, step_name(2)))
         results[f"save:{phase}"] = {"error": error, "seconds": seconds,
                                     "latest": latest_complete(root)}  # fmt: skip
     for phase, rank in LOAD_FAULTS.items():
         before = snapshot(trainer)
         loader = Checkpointer(root, fsync=False, fault_hook=_fault(phase, rank))
-        error, seconds = _attempt(lambda ld=loader: ld.load(trainer.training_state(), step_name(1)))
+        error, seconds = _attempt(lambda ld=loader: load_with(ld, trainer, step_name(1)))
         try:
             assert_bitwise_equal(before, snapshot(trainer))
             unchanged = True

@@ -1,4 +1,4 @@
-"""Hugging Face export: transformers loads it and reproduces the trained model's logits (SPEC §5.6)."""
+"""Hugging Face export: transformers loads it and reproduces the trained model's logits."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from callbacks.hf_export import EXPORTS_SUBDIR, HF_EXPORT_NAME, HFExportCallback
-from tests.checkpoint.ckpt_state import build_trainer
+from tests.checkpoint.ckpt_state import build_trainer, save_with
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.hf_export import SAFETENSORS_INDEX_FILE
@@ -77,7 +77,7 @@ def test_offline_conversion_of_a_training_checkpoint_matches_the_live_export(tra
     from scripts.dcp_to_hf import main as dcp_to_hf
 
     root = tmp_path / "checkpoints"
-    Checkpointer(root, fsync=False).save(trained.training_state(), "final")
+    save_with(Checkpointer(root, fsync=False), trained, "final")
     checkpoint = root / "final"
     out = tmp_path / "exports"
     assert (

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.checkpoint.ckpt_state import assert_bitwise_equal, build_trainer, snapshot
-from veoptim.checkpoint import format as F
+from tests.checkpoint.ckpt_state import (
+    assert_bitwise_equal,
+    build_trainer,
+    load_with,
+    save_with,
+    snapshot,
+)
+from veoptim.checkpoint import contents as C
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.errors import ConfigError
@@ -16,11 +22,11 @@ def test_each_writer_thread_writes_a_shard_and_the_load_is_bitwise(tmp_path, thr
     writer = build_trainer(tmp_path / "w")
     writer.train_step()
     root = tmp_path / "ckpt"
-    Checkpointer(root, fsync=False, write_threads=threads).save(writer.training_state(), "s1")
-    shards = sorted(p.name for p in (resolve(root, "s1") / F.DCP_DIR).glob("*.distcp"))
+    save_with(Checkpointer(root, fsync=False, write_threads=threads), writer, "s1")
+    shards = sorted(p.name for p in (resolve(root, "s1") / C.DCP_DIR).glob("*.distcp"))
     assert shards == [f"__0_{n}.distcp" for n in range(threads)]
     reader = build_trainer(tmp_path / "r")
-    Checkpointer(root).load(reader.training_state(), "s1")
+    load_with(Checkpointer(root), reader, "s1")
     assert_bitwise_equal(snapshot(writer)["params"], snapshot(reader)["params"])
     assert_bitwise_equal(snapshot(writer)["state"], snapshot(reader)["state"])
 

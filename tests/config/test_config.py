@@ -8,19 +8,20 @@ from omegaconf.errors import ValidationError
 
 from scripts.gen_config_docs import render
 from tests.conftest import REPO, compose_sft
-from veoptim.config import SFTConfig, to_sft_config
+from veoptim.config import to_config
 from veoptim.errors import ConfigError
+from veoptim.objectives import SFTConfig
 
 
 def test_default_config_composes_to_typed_dataclass():
-    cfg = to_sft_config(compose_sft())
+    cfg = to_config(compose_sft())
     assert isinstance(cfg, SFTConfig)
     assert cfg.model.arch == "qwen2" and cfg.optim.name == "adamw"
     assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
 
 
 def test_group_selection_and_overrides():
-    cfg = to_sft_config(compose_sft(["model=tiny_moe", "optim.lr=1e-4", "train.seed=7"]))
+    cfg = to_config(compose_sft(["model=tiny_moe", "optim.lr=1e-4", "train.seed=7"]))
     assert cfg.model.arch == "qwen3_moe" and cfg.model.num_experts == 4
     assert cfg.optim.lr == 1e-4 and cfg.train.seed == 7
 
@@ -51,7 +52,7 @@ def test_wrong_type_fails_naming_the_key():
 )
 def test_semantic_errors_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        to_sft_config(compose_sft([override]))
+        to_config(compose_sft([override]))
 
 
 def test_config_reference_is_in_sync_with_dataclasses():
@@ -64,6 +65,6 @@ def test_default_batch_sizes_work_on_the_documented_rank_counts(ranks):
     """README and docs launch 1, 2 and 4 ranks with the default batch sizes."""
     from veoptim.data import GlobalBatchSampler
 
-    train = to_sft_config(compose_sft()).train
+    train = to_config(compose_sft()).train
     sampler = GlobalBatchSampler(3000, train.global_batch_size, train.micro_batch_size, 0, ranks, 0)
     assert sum(len(mb) for mb in sampler.next_step()) * ranks == train.global_batch_size

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.runner import run_sft
+from tasks.runner import run_task
 from tests.conftest import REPO, compose_sft
 
 TOL = 2e-5
@@ -60,7 +60,7 @@ def torchrun(nproc: int, overrides: list[str]) -> str:
 def test_torchrun_loss_curve_matches_one_process(tmp_path, case):
     nproc, model, parallel = CASES[case]
     single_dir, multi_dir = tmp_path / "single", tmp_path / "multi"
-    run_sft(compose_sft([*COMMON, model, f"run.dir={single_dir}"]), env={})
+    run_task(compose_sft([*COMMON, model, f"run.dir={single_dir}"]), env={})
     log = torchrun(nproc, [*COMMON, model, parallel, f"run.dir={multi_dir}"])
     assert f"on cpu x{nproc}" in log and "[rank0]" in log  # really distributed, rank-aware logs
     single, multi = metrics(single_dir), metrics(multi_dir)

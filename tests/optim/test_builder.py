@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import compose_sft
-from veoptim.config import to_sft_config
+from veoptim.config import to_config
 from veoptim.config.schema import OptimConfig, ParamGroupConfig
 from veoptim.errors import ConfigError
 from veoptim.optim import (
@@ -128,7 +128,7 @@ def test_unknown_offload_moment_dtype_is_rejected():
 def test_yaml_group_composes_and_builds_for_the_bundled_moe_model(name):
     from veoptim.models import build_model
 
-    sft = to_sft_config(compose_sft([f"optim={name}"]))
+    sft = to_config(compose_sft([f"optim={name}"]))
     assert sft.optim.name == name
     model_cfg = sft.model
     model_cfg.arch, model_cfg.num_experts = "qwen3_moe", 4
@@ -139,4 +139,4 @@ def test_yaml_group_composes_and_builds_for_the_bundled_moe_model(name):
 
 @pytest.mark.parametrize("name", ["constant", "linear", "cosine", "wsd"])
 def test_scheduler_yaml_group_composes(name):
-    assert to_sft_config(compose_sft([f"scheduler={name}"])).scheduler.name == name
+    assert to_config(compose_sft([f"scheduler={name}"])).scheduler.name == name

@@ -12,9 +12,9 @@ import torch
 import yaml
 
 from callbacks.metrics import METRIC_KEYS
-from tasks.runner import run_sft
+from tasks.runner import run_task
 from tests.conftest import REPO, compose_sft
-from veoptim.config import to_sft_config
+from veoptim.config import to_config
 from veoptim.data import bundled_sample_path
 from veoptim.distributed import init_distributed
 from veoptim.trainer import Callback, Trainer
@@ -26,7 +26,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def test_short_run_loss_falls(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_sft(
+    result = run_task(
         compose_sft(
             [
                 f"run.dir={run_dir}",
@@ -43,7 +43,7 @@ def test_short_run_loss_falls(tmp_path):
 
 
 def test_metrics_jsonl_schema_and_resolved_config(tiny_overrides, tmp_path):
-    run_sft(compose_sft(tiny_overrides + ["logging.log_every=2"]))
+    run_task(compose_sft(tiny_overrides + ["logging.log_every=2"]))
     run_dir = tmp_path / "run"
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == [2, 4]
@@ -67,7 +67,7 @@ class HookRecorder(Callback):
 
 
 def _trainer(overrides: list[str], callbacks=()) -> Trainer:
-    cfg = to_sft_config(compose_sft(overrides))
+    cfg = to_config(compose_sft(overrides))
     ctx = init_distributed("cpu", "auto", {})
     return Trainer.from_config(cfg, ctx, list(callbacks))
 
@@ -83,7 +83,7 @@ def test_hooks_called_in_order_with_epochs(tiny_overrides):
     assert calls[0] == "on_train_begin" and calls[-1] == "on_train_end"
     assert calls.count("on_step_end") == steps_per_epoch + 1
     assert calls.count("on_epoch_begin") == 2 and calls.count("on_epoch_end") == 1
-    assert trainer.progress.epoch == 1
+    assert trainer.sampler.epoch == 1
 
 
 class MetricsRecorder(Callback):
@@ -177,13 +177,13 @@ def test_cli_bad_override_fails_with_one_clear_message(tmp_path):
 
 
 def test_wandb_offline_logs_inside_run_dir(tiny_overrides, tmp_path):
-    run_sft(compose_sft(tiny_overrides + ["logging.wandb.mode=offline"]))
+    run_task(compose_sft(tiny_overrides + ["logging.wandb.mode=offline"]))
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
 
 
 def test_stop_at_step_saves_even_without_save_at_end(tiny_overrides, tmp_path):
-    run_sft(
+    run_task(
         compose_sft(
             tiny_overrides
             + ["train.max_steps=4", "train.stop_at_step=2", "checkpoint.save_at_end=false"]

@@ -11,9 +11,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from callbacks.metrics import METRIC_KEYS, TENSORBOARD_DIR
-from tasks.runner import run_sft
+from tasks.runner import run_task
 from tests.conftest import compose_sft
-from veoptim.config import to_sft_config
+from veoptim.config import to_config
 from veoptim.errors import ConfigError
 
 
@@ -28,8 +28,8 @@ def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def test_scalars_match_metrics_jsonl_and_continue_after_resume(tiny_overrides, tmp_path):
     run_dir = tmp_path / "run"
     tb = tiny_overrides + ["logging.tensorboard=true"]
-    run_sft(compose_sft(tb + ["train.stop_at_step=2"]))
-    run_sft(compose_sft(tb + ["checkpoint.resume=auto"]))
+    run_task(compose_sft(tb + ["train.stop_at_step=2"]))
+    run_task(compose_sft(tb + ["checkpoint.resume=auto"]))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     scalars = _scalars(run_dir / TENSORBOARD_DIR)
     assert len(list((run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))) == 2
@@ -44,10 +44,10 @@ def test_steps_logged_after_the_last_checkpoint_are_purged_on_resume(tiny_overri
     """A run that logged step 4 but saved only at step 3 (as after a crash) is resumed from
     3: step 4 is trained again and must appear once, with the new value."""
     tb = tiny_overrides + ["logging.tensorboard=true", "checkpoint.save_at_end=false"]
-    run_sft(compose_sft(tb + ["checkpoint.save_steps=3"]))
+    run_task(compose_sft(tb + ["checkpoint.save_steps=3"]))
     run_dir = tmp_path / "run"
     (run_dir / "metrics.jsonl").unlink()
-    run_sft(compose_sft(tb + ["checkpoint.resume=auto"]))
+    run_task(compose_sft(tb + ["checkpoint.resume=auto"]))
     scalars = _scalars(run_dir / TENSORBOARD_DIR)
     assert [step for step, _ in sorted(scalars["train/loss"])] == [1, 2, 3, 4]
     (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -56,7 +56,7 @@ def test_steps_logged_after_the_last_checkpoint_are_purged_on_resume(tiny_overri
 
 
 def test_disabled_by_default_writes_no_event_files(tiny_overrides, tmp_path):
-    run_sft(compose_sft(tiny_overrides))
+    run_task(compose_sft(tiny_overrides))
     assert not (tmp_path / "run" / TENSORBOARD_DIR).exists()
 
 
@@ -64,4 +64,4 @@ def test_missing_package_is_a_config_error_before_training(tiny_overrides, monke
     # sys.modules[name] = None is how Python marks a package unavailable: import fails.
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(ConfigError, match=r"logging.tensorboard=true needs the tensorboard"):
-        to_sft_config(compose_sft(tiny_overrides + ["logging.tensorboard=true"]))
+        to_config(compose_sft(tiny_overrides + ["logging.tensorboard=true"]))

@@ -1,85 +1,63 @@
-"""Training checkpoints: save through the publisher, load with validation before mutation.
+"""Training checkpoints of named state components: save through the publisher, load with
+validation before mutation.
 
-Every phase ends in a cross-rank agreement (``agree``): write and publish (in
-the publisher), then resolve, validate, read and apply on load. A load plans
-everything first — the inventory expected from the live model and optimizer is
-compared with the checkpoint's metadata, JSON state and layout — reads tensors
-into fresh staging buffers, and only then copies into the live objects; a
-failed load leaves them bitwise unchanged. See ``docs/checkpoints.md``.
+A save gathers every component's state, writes the tensors in one DCP save (keys
+``<component>.<key>``) and each component's JSON beside them, records the component
+list in ``checkpoint.json`` and publishes the version. A load runs three phases, each
+ending in a cross-rank agreement (``agree``): *validate* (the checkpoint's format and
+component list, then every component stages itself: checks its saved JSON, declares
+the tensors it expects, allocates fresh buffers; the expected inventory is compared
+with the DCP metadata), *read* (DCP reads into the buffers) and *apply* (every
+component installs its staged state). Nothing live changes before apply, so a
+rejected checkpoint leaves the run bitwise unchanged. See ``docs/checkpoints.md``.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from veoptim.checkpoint import format as F
-from veoptim.checkpoint.inventory import (
-    compare_inventory,
-    model_inventory,
-    optimizer_inventory,
-    trainable_named_params,
+from veoptim.checkpoint import contents as C
+from veoptim.checkpoint.component import (
+    ComponentState,
+    SavedComponent,
+    Staged,
+    StateComponent,
+    check_component_name,
 )
+from veoptim.checkpoint.faults import FaultHook, fire
+from veoptim.checkpoint.inventory import compare_inventory, prefixed, saved_inventory
 from veoptim.checkpoint.manifest import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
-from veoptim.checkpoint.resolve import resolve_agreed
-from veoptim.checkpoint.rng import capture_rng, check_rng, restore_rng
+from veoptim.checkpoint.resolve import latest_complete, resolve_agreed
 from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
-from veoptim.checkpoint.staging import optimizer_staging, to_json_param_groups
-from veoptim.checkpoint.validate import check_config, check_info, read_json
-from veoptim.distributed.agreement import agree, rank
-from veoptim.distributed.layout import LayoutMetadata
+from veoptim.checkpoint.validate import check_components, check_info, read_json
+from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
-FaultHook = Callable[[str], None]
+Components = Mapping[str, StateComponent]
 #: What a phase catches and turns into an agreed failure. DCP's CheckpointException
 #: derives from BaseException, so ``except Exception`` alone would let it escape.
 PHASE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 PHASE_WRITE, PHASE_READ, PHASE_VALIDATE, PHASE_APPLY = "write", "read", "validate", "apply"
-
-
-@dataclass
-class TrainingState:
-    """The live objects a checkpoint saves and restores (the trainer hands these over)."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    sampler: Any
-    progress: Any
-    layout: LayoutMetadata
-    config: dict[str, Any]
-    device: torch.device
-    optimizer_name: str
-
-
 #: DCP writer threads per rank: each writes its own shard file. Two measured 1.35x the
 #: save throughput of one on the development VM (docs/benchmarks.md).
 DEFAULT_WRITE_THREADS = 2
 
 
 class Checkpointer:
-    """Saves and loads training checkpoints in one root; at most one async save in flight."""
+    """Saves and loads checkpoints of named components in one root; at most one async save
+    in flight."""
 
     def __init__(
         self,
@@ -95,33 +73,35 @@ class Checkpointer:
         if write_threads < 1:
             raise ConfigError(f"checkpoint.write_threads must be >= 1, got {write_threads}.")
         self.root = Path(root)
-        self.write_threads = write_threads
+        self.write_threads, self.fsync = write_threads, fsync
         self.group, self.async_group, self.fault_hook = group, async_group, fault_hook
         self.publisher = Publisher(
             root, keep_last=keep_last, fsync=fsync, group=group, fault_hook=fault_hook
         )
-        self.fsync = fsync
         self._in_flight: tuple[PendingVersion, Future] | None = None
-
-    def _hook(self, phase: str) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(phase)
 
     # ------------------------------------------------------------------ save
     def save(
-        self, state: TrainingState, name: str, *, async_save: bool = False
+        self,
+        components: Components,
+        name: str,
+        *,
+        step: int,
+        layout: Mapping[str, Any] | None = None,
+        async_save: bool = False,
     ) -> Published | None:
-        """Write and publish ``name``; with ``async_save`` publication happens in :meth:`wait`."""
+        """Write and publish ``name``; with ``async_save`` publication happens in :meth:`wait`.
+
+        ``layout`` (JSON) describes the parallel layout the state was saved under.
+        """
         self.wait()
-        step = state.progress.global_step
+        for component_name in components:
+            check_component_name(component_name)
         pending = self.publisher.begin(name, kind=KIND_CHECKPOINT, step=step)
-        optimizer_state = get_optimizer_state_dict(state.model, state.optimizer)
-        tensors = {
-            F.MODEL_PREFIX: get_model_state_dict(state.model),
-            F.OPTIMIZER_PREFIX: optimizer_state["state"],
-        }
+        states = {key: component.state() for key, component in components.items()}
+        tensors = {key: state.tensors for key, state in states.items() if state.tensors}
         writer = FileSystemWriter(
-            pending.path / F.DCP_DIR, sync_files=self.fsync, thread_count=self.write_threads
+            pending.path / C.DCP_DIR, sync_files=self.fsync, thread_count=self.write_threads
         )
         future: Future | None = None
         error: BaseException | None = None
@@ -136,8 +116,8 @@ class Checkpointer:
             error = readable(exc)
         if error is None:
             try:
-                self._write_side_files(state, optimizer_state["param_groups"], pending.path)
-                self._hook(PHASE_WRITE)
+                self._write_json(states, pending.path, step, dict(layout or {}))
+                fire(self.fault_hook, PHASE_WRITE)
             except PHASE_ERRORS as exc:
                 error = exc
         if future is not None and error is None:
@@ -171,186 +151,135 @@ class Checkpointer:
         pending.discard()
         return pending.name
 
-    def _write_side_files(
-        self, state: TrainingState, param_groups: list[dict[str, Any]], path: Path
+    def _write_json(
+        self, states: dict[str, ComponentState], path: Path, step: int, layout: dict[str, Any]
     ) -> None:
-        """JSON/YAML next to the DCP shards: rank 0 writes the shared ones, each rank its RNG."""
-        rng_dir = path / F.RNG_DIR
-        rng_dir.mkdir(exist_ok=True)
-        rng_file = rng_dir / F.RNG_FILE_FORMAT.format(rank=rank(self.group))
-        rng_file.write_text(json.dumps(capture_rng(state.device)))
-        if rank(self.group) != 0:
+        """Each component's JSON (rank 0 the shared ones, every rank its own), then, on rank 0,
+        ``checkpoint.json`` describing them."""
+        me = rank(self.group)
+        entries: dict[str, dict[str, Any]] = {}
+        for name, state in states.items():
+            scope = None
+            if state.json is not None:
+                scope = C.JSON_PER_RANK if state.json_per_rank else C.JSON_SHARED
+                target = (
+                    C.rank_json_path(path, name, me)
+                    if state.json_per_rank
+                    else C.shared_json_path(path, name)
+                )
+                if state.json_per_rank or me == 0:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(json.dumps(state.json, indent=1))
+            entries[name] = {C.COMPONENT_TENSORS: bool(state.tensors), C.COMPONENT_JSON: scope}
+        if me != 0:
             return
-        trainer_state = {
-            F.STATE_PROGRESS: state.progress.state_dict(),
-            F.STATE_SAMPLER: state.sampler.state_dict(),
-            F.STATE_SCHEDULER: state.scheduler.state_dict(),
-            F.STATE_PARAM_GROUPS: to_json_param_groups(param_groups),
-        }
         info = {
-            F.INFO_FORMAT: F.CHECKPOINT_FORMAT,
-            F.INFO_FORMAT_VERSION: F.CHECKPOINT_FORMAT_VERSION,
-            F.INFO_STEP: state.progress.global_step,
-            F.INFO_WORLD_SIZE: state.layout.world_size,
-            F.INFO_OPTIMIZER: state.optimizer_name,
-            F.INFO_HAS_OPTIMIZER: True,
+            C.INFO_FORMAT: C.CHECKPOINT_FORMAT,
+            C.INFO_FORMAT_VERSION: C.CHECKPOINT_FORMAT_VERSION,
+            C.INFO_STEP: step,
+            C.INFO_WORLD_SIZE: world_size(self.group),
+            C.INFO_LAYOUT: layout,
+            C.INFO_COMPONENTS: entries,
         }
-        (path / F.TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
-        (path / F.LAYOUT_FILE).write_text(json.dumps(state.layout.to_json(), indent=1))
-        (path / F.CONFIG_FILE).write_text(yaml.safe_dump(state.config, sort_keys=False))
-        (path / F.INFO_FILE).write_text(json.dumps(info, indent=1))
+        (path / C.INFO_FILE).write_text(json.dumps(info, indent=1))
 
     # ------------------------------------------------------------------ load
-    def load(self, state: TrainingState, ref: str, *, load_optimizer: bool = True) -> Path:
-        """Restore ``ref`` (``auto``, a name or a path) into ``state``; returns the version dir."""
+    def resolve(self, ref: str) -> Path | None:
+        """The version directory of ``ref`` (``auto`` = newest complete checkpoint, a name or
+        a path), resolved once on rank 0 and agreed; None for ``auto`` in an empty root."""
+        if ref == "auto":
+            found = latest_complete(self.root) if rank(self.group) == 0 else None
+            ref = broadcast_from_rank0(found, self.group)
+            if ref is None:
+                return None
+        return resolve_agreed(self.root, ref, self.group)
+
+    def load(self, components: Components, path: Path, *, exact: bool = True) -> int:
+        """Restore ``components`` from the resolved version ``path``; returns its step.
+
+        ``exact``: the checkpoint must hold exactly these components (a full resume);
+        otherwise it may hold more, which are left unread (e.g. weights only).
+        """
         self.wait()
-        path = resolve_agreed(self.root, ref, self.group)
-        plan: _LoadPlan | None = None
+        staged: dict[str, Staged] = {}
+        step = 0
         outcome: bool | BaseException = True
         try:
-            plan = self._validate(state, path, load_optimizer)
-            self._hook(PHASE_VALIDATE)
+            staged, step = self._stage(components, path, exact)
+            fire(self.fault_hook, PHASE_VALIDATE)
         except PHASE_ERRORS as exc:
             outcome = exc
         agree(outcome, f"validating checkpoint {path}", self.group)
-        assert plan is not None
         outcome = True
         try:
-            self._read(plan, path)
-            self._hook(PHASE_READ)
+            self._read(staged, path)
+            fire(self.fault_hook, PHASE_READ)
         except PHASE_ERRORS as exc:
             outcome = readable(exc)
         agree(outcome, f"reading checkpoint {path}", self.group)
         outcome = True
         try:
-            self._hook(PHASE_APPLY)
-            self._apply(state, plan)
+            fire(self.fault_hook, PHASE_APPLY)
+            for loaded in staged.values():
+                loaded.install()
         except PHASE_ERRORS as exc:
             outcome = exc
         agree(outcome, f"applying checkpoint {path}", self.group)
-        what = "model, optimizer, scheduler, data position and RNG" if load_optimizer else "model weights only (optimizer, scheduler and data position start fresh)"  # fmt: skip
-        log.info("restored %s from %s (step %d)", what, path, plan.step)
-        return path
+        return step
 
-    def _validate(self, state: TrainingState, path: Path, load_optimizer: bool) -> _LoadPlan:
-        info = read_json(path / F.INFO_FILE)
-        check_info(info, path, load_optimizer)
-        saved_config = yaml.safe_load((path / F.CONFIG_FILE).read_text())
-        check_config(saved_config, state.config, path, load_optimizer)
-        saved_layout = LayoutMetadata.from_json(read_json(path / F.LAYOUT_FILE))
-        metadata = read_dcp_metadata(path / F.DCP_DIR)
-        model_live = get_model_state_dict(state.model)
-        expected = model_inventory(model_live)
-        prefixes: tuple[str, ...] = (F.MODEL_PREFIX,)
-        plan = _LoadPlan(step=int(info[F.INFO_STEP]), model={
-            k: torch.empty_like(v) for k, v in model_live.items()})  # fmt: skip
-        if load_optimizer:
-            reason = saved_layout.optimizer_compatible(state.layout)
-            if reason is not None:
-                raise CheckpointError(
-                    f"optimizer state in {path} cannot be loaded into this run: {reason}; resume "
-                    "with checkpoint.load_optimizer=false to load the model weights only."
-                )
-            expected.update(optimizer_inventory(state.model, state.optimizer))
-            prefixes += (F.OPTIMIZER_PREFIX,)
-            trainer_state = read_json(path / F.TRAINER_STATE_FILE)
-            if not isinstance(trainer_state, dict) or set(trainer_state) != set(
-                F.TRAINER_STATE_KEYS
-            ):
-                raise CheckpointError(
-                    f"{path / F.TRAINER_STATE_FILE} must have keys {list(F.TRAINER_STATE_KEYS)}."
-                )
-            rng_file = path / F.RNG_DIR / F.RNG_FILE_FORMAT.format(rank=rank(self.group))
-            if saved_layout.world_size == state.layout.world_size:
-                plan.rng = read_json(rng_file)
-                check_rng(plan.rng, str(rng_file))
-            elif rank(self.group) == 0:
-                log.warning(
-                    "RNG states are not restored: %s was saved on %d ranks, this run has %d "
-                    "(weights, optimizer, LR and data order are; random ops such as dropout "
-                    "draw other numbers than the uninterrupted run).",
-                    path, saved_layout.world_size, state.layout.world_size,
-                )  # fmt: skip
-            plan.trainer_state = trainer_state
-            plan.optimizer = optimizer_staging(state.model, state.optimizer)
-            _dry_run_json_state(state, trainer_state, path)
-        compare_inventory(expected, metadata, prefixes, path / F.DCP_DIR)
-        return plan
-
-    def _read(self, plan: _LoadPlan, path: Path) -> None:
-        staged: dict[str, Any] = {F.MODEL_PREFIX: plan.model}
-        if plan.optimizer is not None:
-            staged[F.OPTIMIZER_PREFIX] = plan.optimizer
-        dcp.load(
-            staged,
-            storage_reader=SafeFileSystemReader(path / F.DCP_DIR),
-            planner=DefaultLoadPlanner(allow_partial_load=plan.optimizer is None),
-            process_group=self.group,
-        )
-
-    def _apply(self, state: TrainingState, plan: _LoadPlan) -> None:
-        with torch.no_grad():
-            set_model_state_dict(state.model, plan.model)
-        if plan.optimizer is None:
-            return
-        ts = plan.trainer_state
-        groups = ts[F.STATE_PARAM_GROUPS]
-        for group in groups:
-            if "betas" in group:
-                group["betas"] = tuple(group["betas"])
-        optimizer = state.optimizer
-        # A fresh optimizer has no state, so set_optimizer_state_dict would first run DCP's
-        # zero-LR "init" step, allocating zero grads and placeholder masters/moments next to
-        # the staged ones (resume peak memory above training's). Seeding the state with the
-        # staged tensors skips that step; load_state_dict then validates and installs them.
-        seeded = not optimizer.state
-        if seeded:
-            for fqn, param in trainable_named_params(state.model, optimizer):
-                optimizer.state[param] = plan.optimizer[fqn]
-        try:
-            set_optimizer_state_dict(
-                state.model, optimizer, {"state": plan.optimizer, "param_groups": groups}
+    def _stage(
+        self, components: Components, path: Path, exact: bool
+    ) -> tuple[dict[str, Staged], int]:
+        """Validate the whole checkpoint against the live components; allocate read buffers."""
+        info = check_info(read_json(path / C.INFO_FILE), path)
+        saved = info[C.INFO_COMPONENTS]
+        check_components(saved, components, path, exact=exact)
+        dcp_dir = path / C.DCP_DIR
+        metadata = read_dcp_metadata(dcp_dir)
+        staged: dict[str, Staged] = {}
+        expected, found = {}, {}
+        for name, component in components.items():
+            view = SavedComponent(
+                name=name,
+                path=path,
+                json=self._saved_json(path, name, saved[name], info),
+                tensors=saved_inventory(metadata, name, dcp_dir),
+                info=info,
             )
-        except BaseException:
-            if seeded:
-                optimizer.state.clear()
-            raise
-        state.scheduler.load_state_dict(ts[F.STATE_SCHEDULER])
-        state.sampler.load_state_dict(ts[F.STATE_SAMPLER])
-        state.progress.load_state_dict(ts[F.STATE_PROGRESS])
-        if plan.rng is not None:
-            restore_rng(plan.rng, state.device)
+            staged[name] = component.stage(view)
+            expected.update(prefixed(name, staged[name].expected))
+            found.update(prefixed(name, view.tensors))
+        compare_inventory(expected, found, dcp_dir)
+        return staged, info[C.INFO_STEP]
 
+    def _saved_json(self, path: Path, name: str, entry: dict[str, Any], info: dict) -> Any:
+        scope = entry.get(C.COMPONENT_JSON)
+        if scope == C.JSON_SHARED:
+            return read_json(C.shared_json_path(path, name))
+        if scope == C.JSON_PER_RANK:
+            me = rank(self.group)
+            return (
+                read_json(C.rank_json_path(path, name, me))
+                if me < info[C.INFO_WORLD_SIZE]
+                else None
+            )
+        if scope is not None:
+            raise CheckpointError(
+                f"{path / C.INFO_FILE}: component {name!r} has JSON scope {scope!r}."
+            )
+        return None
 
-@dataclass
-class _LoadPlan:
-    """Everything a load will install, staged and validated before any live object changes."""
-
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, dict[str, torch.Tensor]] | None = None
-    trainer_state: dict[str, Any] | None = None
-    rng: dict[str, Any] | None = None
-
-
-def _dry_run_json_state(state: TrainingState, trainer_state: dict[str, Any], path: Path) -> None:
-    """Load the JSON state into throwaway copies so malformed state fails before mutation."""
-    copy.deepcopy(state.sampler).load_state_dict(trainer_state[F.STATE_SAMPLER])
-    copy.deepcopy(state.progress).load_state_dict(trainer_state[F.STATE_PROGRESS])
-    live = state.scheduler.state_dict()
-    saved = trainer_state[F.STATE_SCHEDULER]
-    if not isinstance(saved, dict) or set(saved) != set(live):
-        raise CheckpointError(
-            f"scheduler state in {path / F.TRAINER_STATE_FILE} has keys "
-            f"{sorted(saved) if isinstance(saved, dict) else type(saved).__name__}, "
-            f"expected {sorted(live)}."
-        )
-    live_groups = len(state.optimizer.param_groups)
-    saved_groups = trainer_state[F.STATE_PARAM_GROUPS]
-    if not isinstance(saved_groups, list) or len(saved_groups) != live_groups:
-        raise CheckpointError(
-            f"optimizer param groups in {path / F.TRAINER_STATE_FILE}: expected {live_groups} "
-            f"groups, found {len(saved_groups) if isinstance(saved_groups, list) else saved_groups!r}."
+    def _read(self, staged: dict[str, Staged], path: Path) -> None:
+        buffers = {name: s.buffers for name, s in staged.items() if s.buffers}
+        if not buffers:
+            return
+        dcp.load(
+            buffers,
+            storage_reader=SafeFileSystemReader(path / C.DCP_DIR),
+            # Validation matched every loaded component's inventory exactly; other saved
+            # components (e.g. the optimizer on a weights-only load) are left unread.
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+            process_group=self.group,
         )
 
 

@@ -1,70 +1,32 @@
-"""The expected tensor inventory of a checkpoint, derived from the live model and optimizer.
+"""Compare the tensor inventory a load expects with a checkpoint's DCP metadata.
 
-Validation compares this inventory (not whatever happens to be in the file)
-with the DCP metadata: every expected key present, nothing unexpected, every
-global shape and dtype equal. Nothing is read or written besides metadata.
+The expected inventory comes from the live components (not from whatever happens
+to be in the file): every expected key present, nothing unexpected, every global
+shape and dtype equal. Nothing is read or written besides metadata.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
-from veoptim.checkpoint.format import MODEL_PREFIX, OPTIMIZER_PREFIX
+from veoptim.checkpoint.component import Inventory, TensorSpec
 from veoptim.errors import CheckpointError
-from veoptim.optim.state_check import expected_optimizer_state
 
 MAX_LISTED = 8
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Global shape and dtype of one checkpoint tensor."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def __str__(self) -> str:
-        return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
-
-
-Inventory = dict[str, TensorSpec]
-
-
-def trainable_named_params(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> list[tuple[str, torch.Tensor]]:
-    """(fqn, param) of every parameter the optimizer holds, in model order."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [(name, p) for name, p in model.named_parameters() if id(p) in held]
-
-
-def model_inventory(model_state: dict[str, torch.Tensor]) -> Inventory:
-    """Specs of ``model.<fqn>`` keys from a (sharded) model state dict."""
-    return {
-        f"{MODEL_PREFIX}.{fqn}": TensorSpec(tuple(t.shape), t.dtype)
-        for fqn, t in model_state.items()
-        if isinstance(t, torch.Tensor)
-    }
-
-
-def optimizer_inventory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Inventory:
-    """Specs of ``optimizer.<fqn>.<key>`` keys for the optimizer's full parameter inventory.
-
-    The optimizer reports local shapes; a state tensor with the parameter's local
-    shape is sharded like the parameter, so its global shape is the parameter's.
-    """
-    inventory: Inventory = {}
-    for fqn, param in trainable_named_params(model, optimizer):
-        local_shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
-        for key, (shape, dtype) in expected_optimizer_state(optimizer, param).items():
-            global_shape = param.shape if tuple(shape) == tuple(local_shape) else shape
-            inventory[f"{OPTIMIZER_PREFIX}.{fqn}.{key}"] = TensorSpec(tuple(global_shape), dtype)
-    return inventory
+def saved_inventory(metadata: Metadata, prefix: str, where: Path) -> Inventory:
+    """Specs of the tensors stored under ``<prefix>.`` (keys without the prefix)."""
+    saved: Inventory = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix + "."):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {where} stores {key!r} as non-tensor data.")
+        saved[key[len(prefix) + 1 :]] = TensorSpec(tuple(entry.size), entry.properties.dtype)
+    return saved
 
 
 def _listed(items: list[str]) -> str:
@@ -72,17 +34,8 @@ def _listed(items: list[str]) -> str:
     return shown + (f" and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else "")
 
 
-def compare_inventory(
-    expected: Inventory, metadata: Metadata, prefixes: tuple[str, ...], where: Path
-) -> None:
+def compare_inventory(expected: Inventory, saved: Inventory, where: Path) -> None:
     """Raise one CheckpointError listing every missing, unexpected or mismatched tensor."""
-    saved: dict[str, TensorSpec] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if not key.startswith(tuple(p + "." for p in prefixes)):
-            continue
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint {where} stores {key!r} as non-tensor data.")
-        saved[key] = TensorSpec(tuple(entry.size), entry.properties.dtype)
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     mismatched = [
@@ -103,3 +56,8 @@ def compare_inventory(
         raise CheckpointError(
             f"checkpoint {where} does not match the live run: " + "; ".join(problems) + "."
         )
+
+
+def prefixed(prefix: str, inventory: Inventory) -> Inventory:
+    """``inventory`` with every key under ``<prefix>.`` (how DCP names nested keys)."""
+    return {f"{prefix}.{key}": spec for key, spec in inventory.items()}

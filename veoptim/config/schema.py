@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from veoptim.errors import ConfigError
+
 MISSING_PATH = (
     ""  # "not set" for optional paths; OmegaConf has no Optional[str] default of None in lists
 )
@@ -57,12 +59,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = opt("", "SFT JSONL file; empty = the bundled synthetic dataset.")
+    """What every task's data has; a task's own data section extends it."""
+
     tokenizer_path: str = opt(
         "", "Tokenizer directory (AutoTokenizer); empty = the bundled tokenizer."
     )
     max_seq_len: int = opt(96, "Sequences are truncated (or packed) to this many tokens.")
-    packing: bool = opt(False, "Pack several examples into each sequence instead of padding.")
 
 
 @dataclass
@@ -174,8 +176,9 @@ class LoggingConfig:
 
 
 @dataclass
-class SFTConfig:
-    """Root config of ``python -m tasks.sft``."""
+class TrainerConfig:
+    """The config every task shares. A task subclasses it, adds its own sections (its
+    ``data`` section, say) and builds its objective from them in ``build_objective``."""
 
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -186,3 +189,10 @@ class SFTConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def build_objective(self, tokenizer: Any) -> Any:
+        """The task's objective (``veoptim.trainer.objective.Objective``) for this config."""
+        raise ConfigError(
+            f"{type(self).__name__} is the shared base config and defines no objective; "
+            "run a task (e.g. python -m tasks.sft)."
+        )

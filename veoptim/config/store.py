@@ -1,25 +1,32 @@
-"""Register the structured schemas with Hydra's ConfigStore and turn a DictConfig into dataclasses."""
+"""Register task schemas with Hydra's ConfigStore and turn a composed DictConfig into dataclasses."""
 
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from veoptim.config.schema import SFTConfig
+from veoptim.config.schema import TrainerConfig
 from veoptim.config.validate import validate_config
-
-SFT_SCHEMA_NAME = "sft_schema"
-
-
-def register_configs() -> None:
-    """Make ``sft_schema`` available to ``defaults`` lists (idempotent)."""
-    ConfigStore.instance().store(name=SFT_SCHEMA_NAME, node=SFTConfig)
+from veoptim.errors import ConfigError
 
 
-def to_sft_config(cfg: DictConfig) -> SFTConfig:
-    """Convert a composed Hydra config to a validated ``SFTConfig`` (raises ConfigError)."""
+def schema_name(task: str) -> str:
+    """The ConfigStore name a task's YAML lists first in its ``defaults`` (``sft_schema``)."""
+    return f"{task}_schema"
+
+
+def register_schema(task: str, schema: type[TrainerConfig]) -> None:
+    """Make ``<task>_schema`` available to ``defaults`` lists (idempotent)."""
+    ConfigStore.instance().store(name=schema_name(task), node=schema)
+
+
+def to_config(cfg: DictConfig) -> TrainerConfig:
+    """Convert a config composed with a task schema to its validated dataclass (ConfigError)."""
     obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, SFTConfig):
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SFTConfig), cfg))
+    if not isinstance(obj, TrainerConfig):
+        raise ConfigError(
+            "the composed config has no task schema: its YAML must list a registered "
+            f"<task>_schema first in its defaults (found {type(obj).__name__})."
+        )
     validate_config(obj)
     return obj

@@ -13,7 +13,8 @@ Metrics = dict[str, Any]
 class Callback:
     """Base class with no-op hooks; override the ones you need.
 
-    Order of calls: ``on_train_begin`` → (``on_epoch_begin`` → (``on_step_begin`` →
+    Order of calls: (the trainer has already restored ``checkpoint.resume``, so every hook
+    sees the restored state) ``on_train_begin`` → (``on_epoch_begin`` → (``on_step_begin`` →
     ``on_step_end``)* → ``on_epoch_end``)* → ``on_train_end``; ``on_save`` after a
     checkpoint is published; ``on_exception`` when the loop raises (then the
     exception propagates).

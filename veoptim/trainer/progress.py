@@ -1,4 +1,7 @@
-"""Trainer progress: the counters a checkpoint saves so a resumed run continues exactly."""
+"""Trainer progress: the counters a checkpoint saves so a resumed run continues exactly.
+
+The epoch is not counted here: it is the sampler's position in the data.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +9,24 @@ from dataclasses import asdict, dataclass
 
 from veoptim.errors import CheckpointError
 
-PROGRESS_KEYS = ("global_step", "epoch", "tokens_seen")
+PROGRESS_KEYS = ("global_step", "tokens_seen")
 
 
 @dataclass
 class TrainerProgress:
-    """Real optimizer steps taken, current epoch and non-padding tokens consumed (global)."""
+    """Real optimizer steps taken and non-padding tokens consumed (global)."""
 
     global_step: int = 0
-    epoch: int = 0
     tokens_seen: int = 0
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if set(state) != set(PROGRESS_KEYS) or not all(
-            isinstance(state[k], int) and state[k] >= 0 for k in PROGRESS_KEYS
+        if (
+            not isinstance(state, dict)
+            or set(state) != set(PROGRESS_KEYS)
+            or not all(isinstance(state[k], int) and state[k] >= 0 for k in PROGRESS_KEYS)
         ):
             raise CheckpointError(
                 f"trainer progress must have non-negative integer keys {list(PROGRESS_KEYS)}, "

@@ -1,9 +1,11 @@
 """The Trainer: owns the loop (micro-batches, accumulation, clipping, optimizer and LR steps).
 
 Data flows one way: config → runtime objects (built in :meth:`Trainer.from_config`)
-→ the loop → callbacks. Checkpointing, logging and exports are callbacks; the
-trainer only exposes the stateful pieces they need (model, optimizer,
-scheduler, sampler, progress).
+→ resume → the loop → callbacks. The loop is task-agnostic: the task's
+:class:`~veoptim.trainer.objective.Objective` supplies micro-batches and the loss as a
+sum plus a normaliser. What a checkpoint holds is the trainer's ``state``: named
+components (model, optimizer, LR scheduler, sampler, progress, RNG, config, and any
+the objective or task registers); the checkpointer saves and loads exactly those.
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from veoptim.checkpoint.checkpointer import TrainingState
-from veoptim.config.schema import SFTConfig
-from veoptim.data import GlobalBatchSampler, collate, load_sft_dataset, load_tokenizer
+from veoptim.checkpoint import Published, step_name
+from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.component import StateComponent, check_component_name
+from veoptim.config.schema import TrainerConfig
+from veoptim.data import GlobalBatchSampler, load_tokenizer
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
+from veoptim.errors import CheckpointError, DataError
 from veoptim.models import build_model
 from veoptim.optim import build_optimizer, build_scheduler
 from veoptim.trainer.callback import Callback, CallbackList, Metrics
-from veoptim.trainer.loss import count_loss_tokens, summed_token_loss
+from veoptim.trainer.checkpointing import build_checkpointer, load_checkpoint, standard_state
+from veoptim.trainer.objective import MicroBatch, Objective
 from veoptim.trainer.progress import TrainerProgress
 
 log = logging.getLogger(__name__)
@@ -39,42 +45,36 @@ def seed_everything(seed: int) -> None:
 
 
 @dataclass
-class StepBatch:
-    """One optimizer step's data on this rank: collated micro-batches and token counts."""
-
-    micro_batches: list[dict[str, torch.Tensor]]
-    loss_tokens: int
-    input_tokens: int
-
-
-@dataclass
 class Trainer:
     """A training run's runtime objects and its loop."""
 
-    cfg: SFTConfig
+    cfg: TrainerConfig
     ctx: DistContext
     plan: ParallelPlan
     model: torch.nn.Module
     tokenizer: Any
-    dataset: Any
+    objective: Objective
     sampler: GlobalBatchSampler
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     callbacks: CallbackList
     run_dir: Path
+    checkpointer: Checkpointer
     progress: TrainerProgress = field(default_factory=TrainerProgress)
+    state: dict[str, StateComponent] = field(default_factory=dict)
+    #: The checkpoint version this run resumed from (None: a fresh start).
+    resumed_from: Path | None = None
     should_stop: bool = False
 
     @classmethod
     def from_config(
-        cls, cfg: SFTConfig, ctx: DistContext, callbacks: list[Callback] | None = None
+        cls, cfg: TrainerConfig, ctx: DistContext, callbacks: list[Callback] | None = None
     ) -> Trainer:
-        """Build tokenizer, data, model (with its parallel plan), optimizer and scheduler."""
+        """Build tokenizer, objective, model (with its parallel plan), optimizer, scheduler,
+        sampler and checkpointer, and register the standard state components."""
         seed_everything(cfg.train.seed)
         tokenizer = load_tokenizer(cfg.data.tokenizer_path)
-        dataset = load_sft_dataset(
-            cfg.data.train_path, tokenizer, cfg.data.max_seq_len, cfg.data.packing
-        )
+        objective = cfg.build_objective(tokenizer)
         special = {
             key: getattr(tokenizer, key)
             for key in ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -90,101 +90,126 @@ class Trainer:
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps)
         sampler = GlobalBatchSampler(
-            num_examples=len(dataset),
+            num_examples=objective.num_examples,
             global_batch_size=cfg.train.global_batch_size,
             micro_batch_size=cfg.train.micro_batch_size,
             dp_rank=plan.dp_rank,
             dp_size=plan.dp_size,
             seed=cfg.train.seed,
-            data_fingerprint=dataset.fingerprint,
+            data_fingerprint=objective.data_fingerprint,
         )
-        return cls(
+        run_dir = Path(cfg.run.dir)
+        trainer = cls(
             cfg=cfg,
             ctx=ctx,
             plan=plan,
             model=model,
             tokenizer=tokenizer,
-            dataset=dataset,
+            objective=objective,
             sampler=sampler,
             optimizer=optimizer,
             scheduler=scheduler,
             callbacks=CallbackList(callbacks or []),
-            run_dir=Path(cfg.run.dir),
+            run_dir=run_dir,
+            checkpointer=build_checkpointer(cfg.checkpoint, run_dir, ctx),
         )
+        for name, component in standard_state(trainer).items():
+            trainer.register_state(name, component)
+        for name, component in objective.state_components().items():
+            trainer.register_state(name, component)
+        return trainer
 
-    def training_state(self) -> TrainingState:
-        """The stateful objects a checkpoint saves and restores, handed to the Checkpointer."""
-        return TrainingState(
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            sampler=self.sampler,
-            progress=self.progress,
-            layout=self.plan.layout_metadata(),
-            config=asdict(self.cfg),
-            device=self.ctx.device,
-            optimizer_name=self.cfg.optim.name,
-        )
+    def register_state(self, name: str, component: StateComponent) -> None:
+        """Checkpoint ``component`` under ``name`` from now on (saved, validated, restored)."""
+        check_component_name(name)
+        if name in self.state:
+            raise CheckpointError(f"a state component named {name!r} is already registered.")
+        self.state[name] = component
+
+    @property
+    def config_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (what checkpoints record)."""
+        return asdict(self.cfg)
 
     @property
     def last_step(self) -> int:
         """The step at which this process stops (``stop_at_step`` slices a longer run)."""
         return self.cfg.train.stop_at_step or self.cfg.train.max_steps
 
+    def resume(self) -> None:
+        """Restore ``checkpoint.resume`` (if set) into the live state, before any callback."""
+        if self.cfg.checkpoint.resume:
+            self.resumed_from = self.load_checkpoint(
+                self.cfg.checkpoint.resume, load_optimizer=self.cfg.checkpoint.load_optimizer
+            )
+
+    def load_checkpoint(self, ref: str, *, load_optimizer: bool = True) -> Path | None:
+        """Load ``ref`` (``auto``, a name or a path) into every state component, or only the
+        weights; returns the version loaded (None: ``auto`` found no checkpoint)."""
+        return load_checkpoint(self, ref, load_optimizer=load_optimizer)
+
+    def save_checkpoint(self, name: str = "", *, async_save: bool = False) -> Published | None:
+        """Save every state component as ``name`` (default ``step_<global step>``); with
+        ``async_save`` it is published by the checkpointer's next ``wait``."""
+        step = self.progress.global_step
+        return self.checkpointer.save(
+            self.state,
+            name or step_name(step),
+            step=step,
+            layout=self.plan.layout_metadata().to_json(),
+            async_save=async_save,
+        )
+
     def train(self) -> TrainerProgress:
-        """Run until ``last_step`` (or until a callback sets ``should_stop``)."""
+        """Resume if asked, then run until ``last_step`` (or until a callback sets ``should_stop``)."""
+        self.resume()
         self.model.train()
         try:
             self.callbacks.call("on_train_begin", self)
-            steps_per_epoch = self.sampler.steps_per_epoch
             while self.progress.global_step < self.last_step and not self.should_stop:
-                if self.progress.global_step % steps_per_epoch == 0:
+                if self.sampler.step_in_epoch == 0:
                     self.callbacks.call("on_epoch_begin", self)
                 self.callbacks.call("on_step_begin", self)
                 metrics = self.train_step()
                 self.callbacks.call("on_step_end", self, metrics)
-                if self.progress.global_step % steps_per_epoch == 0:
+                if self.sampler.step_in_epoch == 0:  # the step finished an epoch
                     self.callbacks.call("on_epoch_end", self)
-                    self.progress.epoch = self.progress.global_step // steps_per_epoch
             self.callbacks.call("on_train_end", self)
         except BaseException as error:
             self.callbacks.call("on_exception", self, error)
             raise
         return self.progress
 
-    def next_batch(self) -> StepBatch:
-        """Collate this rank's micro-batches of the next global batch and count its tokens."""
-        micro_batches = []
-        loss_tokens = input_tokens = 0
-        for indices in self.sampler.next_step():
-            batch = collate([self.dataset[i] for i in indices], self.tokenizer.pad_token_id)
-            loss_tokens += int(count_loss_tokens(batch["labels"]))
-            input_tokens += int((batch["input_ids"] != self.tokenizer.pad_token_id).sum())
-            micro_batches.append({k: v.to(self.ctx.device) for k, v in batch.items()})
-        return StepBatch(micro_batches, loss_tokens, input_tokens)
+    def next_batch(self) -> list[MicroBatch]:
+        """This rank's micro-batches of the next global batch (inputs still on the host)."""
+        return [self.objective.micro_batch(indices) for indices in self.sampler.next_step()]
 
     def train_step(self) -> Metrics:
         """One optimizer step over the global batch; returns globally reduced metrics."""
         start = time.perf_counter()
-        step = self.next_batch()
+        epoch = self.sampler.epoch
+        micro_batches = self.next_batch()
         counts = torch.tensor(
-            [step.loss_tokens, step.input_tokens], dtype=torch.float64, device=self.ctx.device
+            [sum(b.normaliser for b in micro_batches), sum(b.tokens for b in micro_batches)],
+            dtype=torch.float64,
+            device=self.ctx.device,
         )
-        global_loss_tokens, global_input_tokens = self.plan.all_reduce_sum(counts).tolist()
-        if global_loss_tokens == 0:
-            raise RuntimeError(
-                f"global batch at step {self.progress.global_step} has no response tokens "
-                "to train on; check data.max_seq_len and the data's responses."
+        global_normaliser, global_tokens = self.plan.all_reduce_sum(counts).tolist()
+        if global_normaliser == 0:
+            raise DataError(
+                f"global batch at step {self.progress.global_step} has no "
+                f"{self.objective.normaliser_name} to train on."
             )
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for batch in step.micro_batches:
-            inputs = {k: v for k, v in batch.items() if k != "labels"}
-            # use_cache=False: a KV cache is useless in training and, with packing,
-            # transformers would skip the per-example attention masking.
-            logits = self.model(**inputs, use_cache=False).logits
-            loss = summed_token_loss(logits, batch["labels"]) / global_loss_tokens
+        metric_sums: dict[str, torch.Tensor] = {}
+        for batch in micro_batches:
+            inputs = {k: v.to(self.ctx.device) for k, v in batch.inputs.items()}
+            out = self.objective.loss(self.model, inputs)
+            loss = out.total / global_normaliser
             loss.backward()
             loss_sum += loss.detach()
+            for name, value in out.metrics.items():
+                metric_sums[name] = metric_sums.get(name, 0.0) + value.detach().float()
         # max_norm=inf computes the norm for logging without clipping.
         grad_norm = self.plan.clip_grad_norm_(self.model, self.cfg.train.grad_clip or float("inf"))
         lr = self.optimizer.param_groups[0]["lr"]
@@ -193,15 +218,22 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         global_loss = self.plan.all_reduce_sum(loss_sum)
         self.progress.global_step += 1
-        self.progress.tokens_seen += int(global_input_tokens)
+        self.progress.tokens_seen += int(global_tokens)
         elapsed = time.perf_counter() - start
-        return {
+        metrics: Metrics = {
             "step": self.progress.global_step,
-            "epoch": self.progress.epoch,
+            "epoch": epoch,
             "loss": float(global_loss),
             "lr": float(lr),
             "grad_norm": float(grad_norm),
-            "tokens_per_s": global_input_tokens / elapsed,
+            "tokens_per_s": global_tokens / elapsed,
             "tokens_seen": self.progress.tokens_seen,
             "step_time_s": elapsed,
         }
+        if metric_sums:
+            reduced = self.plan.all_reduce_sum(torch.stack(list(metric_sums.values())))
+            for name, value in zip(
+                metric_sums, (reduced / global_normaliser).tolist(), strict=True
+            ):
+                metrics[name] = value
+        return metrics

@@ -63,19 +63,12 @@ def _trainer(ctx: Any, overrides: list[str], extra: list[Any]) -> Any:
 
     from callbacks import standard_callbacks
     from tasks.compose import compose_config
-    from veoptim.config import to_sft_config
+    from veoptim.config import to_config
     from veoptim.trainer import Trainer
 
-    sft = to_sft_config(compose_config("sft", [*COMMON, *overrides]))
+    sft = to_config(compose_config("sft", [*COMMON, *overrides]))
     resolved = OmegaConf.to_container(OmegaConf.structured(sft), resolve=True)
     return Trainer.from_config(sft, ctx, [*standard_callbacks(sft, resolved), *extra])
-
-
-def _checkpointer(trainer: Any) -> Any:
-    from callbacks.checkpoint import CheckpointCallback
-
-    callback = next(c for c in trainer.callbacks.callbacks if isinstance(c, CheckpointCallback))
-    return callback.checkpointer
 
 
 def _probe(gate: WriteGate, release_at: int) -> Any:
@@ -88,7 +81,7 @@ def _probe(gate: WriteGate, release_at: int) -> Any:
         def on_step_end(self, trainer: Any, metrics: Any) -> None:
             if trainer.progress.global_step != release_at:
                 return
-            in_flight = _checkpointer(trainer)._in_flight
+            in_flight = trainer.checkpointer._in_flight
             self.seen = {
                 "in_flight": in_flight is not None,
                 "future_done": None if in_flight is None else in_flight[1].done(),

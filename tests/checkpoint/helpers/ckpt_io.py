@@ -18,18 +18,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from veoptim.checkpoint import format as F
+from veoptim.checkpoint import contents as C
 from veoptim.checkpoint.manifest import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.resolve import resolve_path
 from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 from veoptim.optim import MASTER_WEIGHT
+from veoptim.state import CONFIG, RNG
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 #: metrics.jsonl fields that must be equal between a straight and a resumed run.
 METRIC_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_seen")
-SIDE_FILES = (F.INFO_FILE, F.TRAINER_STATE_FILE, F.LAYOUT_FILE, F.CONFIG_FILE)
+#: Components whose JSON legitimately differs between slices of one run (run dir, stop step).
+NOT_COMPARED = (CONFIG,)
 
 
 @dataclass
@@ -38,26 +40,32 @@ class Snapshot:
 
     path: Path
     tensors: dict[str, torch.Tensor]
+    #: Shared JSON state by component name (``progress``, ``sampler``, ...).
     trainer_state: dict[str, Any]
     info: dict[str, Any]
+    #: Per-rank RNG states by file name.
     rng: dict[str, Any]
 
 
 def read_checkpoint(ref: Path) -> Snapshot:
     """Resolve ``ref`` (a name link or version dir) and read it completely."""
     version = resolve_path(Path(ref))
-    metadata = read_dcp_metadata(version / F.DCP_DIR)
+    metadata = read_dcp_metadata(version / C.DCP_DIR)
     tensors = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
     }
-    dcp.load(tensors, storage_reader=SafeFileSystemReader(version / F.DCP_DIR), no_dist=True)
-    rng = {p.name: json.loads(p.read_text()) for p in sorted((version / F.RNG_DIR).iterdir())}
+    dcp.load(tensors, storage_reader=SafeFileSystemReader(version / C.DCP_DIR), no_dist=True)
+    rng_dir = C.rank_json_path(version, RNG, 0).parent
+    rng = {p.name: json.loads(p.read_text()) for p in sorted(rng_dir.iterdir())}
+    shared = {
+        p.stem: json.loads(p.read_text()) for p in sorted((version / C.STATE_DIR).glob("*.json"))
+    }
     return Snapshot(
         path=version,
         tensors=tensors,
-        trainer_state=json.loads((version / F.TRAINER_STATE_FILE).read_text()),
-        info=json.loads((version / F.INFO_FILE).read_text()),
+        trainer_state=shared,
+        info=json.loads((version / C.INFO_FILE).read_text()),
         rng=rng,
     )
 
@@ -71,9 +79,9 @@ def differences(a: Snapshot, b: Snapshot, *, rng: bool = True) -> list[str]:
         if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
             out.append(key)
     for key in sorted(set(a.trainer_state) | set(b.trainer_state)):
-        if a.trainer_state.get(key) != b.trainer_state.get(key):
+        if key not in NOT_COMPARED and a.trainer_state.get(key) != b.trainer_state.get(key):
             out.append(f"trainer_state.{key}")
-    if a.info.get(F.INFO_STEP) != b.info.get(F.INFO_STEP):
+    if a.info.get(C.INFO_STEP) != b.info.get(C.INFO_STEP):
         out.append("checkpoint.json step")
     if rng and a.rng != b.rng:
         out.append("rng")
@@ -106,9 +114,8 @@ def write_bf16_rounded_masters(src: Path, root: Path, name: str) -> int:
             value = rounded
         tensors[key] = value
     publisher = Publisher(root, fsync=False)
-    with publisher.write(name, kind=KIND_CHECKPOINT, step=snapshot.info[F.INFO_STEP]) as out:
-        for file in SIDE_FILES:
-            shutil.copy2(snapshot.path / file, out / file)
-        shutil.copytree(snapshot.path / F.RNG_DIR, out / F.RNG_DIR)
-        dcp.save(tensors, storage_writer=FileSystemWriter(out / F.DCP_DIR), no_dist=True)
+    with publisher.write(name, kind=KIND_CHECKPOINT, step=snapshot.info[C.INFO_STEP]) as out:
+        shutil.copy2(snapshot.path / C.INFO_FILE, out / C.INFO_FILE)
+        shutil.copytree(snapshot.path / C.STATE_DIR, out / C.STATE_DIR)
+        dcp.save(tensors, storage_writer=FileSystemWriter(out / C.DCP_DIR), no_dist=True)
     return changed

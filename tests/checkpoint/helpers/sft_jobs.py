@@ -1,6 +1,6 @@
 """Spawn workers that run several ``tasks.sft`` jobs and checkpoint loads in one process group.
 
-An ``sft`` job is exactly what ``python -m tasks.sft <overrides>`` runs (``run_sft`` on
+An ``sft`` job is exactly what ``python -m tasks.sft <overrides>`` runs (``run_task`` on
 a composed config); the ranks already joined the default group, so
 ``init_distributed`` reuses it and the jobs run back to back (one torch import per
 rank). A ``load`` job builds the trainer of a config, loads a checkpoint into it with
@@ -92,37 +92,36 @@ def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _load(ctx: Any, job: LoadJob) -> dict[str, Any]:
     from tasks.compose import compose_config
     from veoptim.checkpoint.checkpointer import Checkpointer
-    from veoptim.config import to_sft_config
+    from veoptim.config import to_config
     from veoptim.errors import CheckpointError
     from veoptim.trainer import Trainer
 
-    sft = to_sft_config(compose_config("sft", [*COMMON, *job.overrides]))
+    sft = to_config(compose_config("sft", [*COMMON, *job.overrides]))
     trainer = Trainer.from_config(sft, ctx, [])
-    state = trainer.training_state()
+    trainer.checkpointer = Checkpointer(job.out_root, fsync=False)
     before = full_state(trainer)
     progress_before = trainer.progress.state_dict()
-    checkpointer = Checkpointer(job.out_root, fsync=False)
     try:
-        checkpointer.load(state, job.ref, load_optimizer=job.load_optimizer)
+        trainer.load_checkpoint(job.ref, load_optimizer=job.load_optimizer)
     except CheckpointError as error:
         unchanged = same_state(before, full_state(trainer))
         unchanged = unchanged and progress_before == trainer.progress.state_dict()
         return {"error": str(error), "unchanged": unchanged}
-    checkpointer.save(state, RELOADED)
+    trainer.save_checkpoint(RELOADED)
     return {"error": None, "step": trainer.progress.global_step}
 
 
 def run_jobs(ctx: Any, out: Path, jobs: list[SftJob | LoadJob]) -> dict[str, Any]:
     """Run every job in order; returns load results by key and each job's wall time."""
     from tasks.compose import compose_config
-    from tasks.runner import run_sft
+    from tasks.runner import run_task
 
     seconds: list[float] = []
     loads: dict[str, Any] = {}
     for job in jobs:
         start = time.monotonic()
         if isinstance(job, SftJob):
-            run_sft(compose_config("sft", [*COMMON, *job.overrides]), env=job_env(ctx))
+            run_task(compose_config("sft", [*COMMON, *job.overrides]), env=job_env(ctx))
         else:
             loads[job.key] = _load(ctx, job)
         seconds.append(round(time.monotonic() - start, 2))

@@ -1,0 +1,87 @@
+"""Supervised fine-tuning: next-token cross-entropy on the response tokens of chat data.
+
+The loss of a micro-batch is the *sum* of its labelled tokens' cross-entropy (in
+FP32); the trainer divides by the global count of labelled tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from veoptim.checkpoint.component import StateComponent
+from veoptim.config.schema import DataConfig, TrainerConfig, opt
+from veoptim.data import IGNORE_INDEX, SFTDataset, collate, load_sft_dataset
+from veoptim.data.fields import INPUT_IDS, LABELS
+from veoptim.trainer.objective import LossSum, MicroBatch
+
+
+@dataclass
+class SFTDataConfig(DataConfig):
+    train_path: str = opt("", "SFT JSONL file; empty = the bundled synthetic dataset.")
+    packing: bool = opt(False, "Pack several examples into each sequence instead of padding.")
+
+
+@dataclass
+class SFTConfig(TrainerConfig):
+    """Root config of ``python -m tasks.sft``."""
+
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+
+    def build_objective(self, tokenizer: Any) -> SFTObjective:
+        return SFTObjective(
+            load_sft_dataset(
+                self.data.train_path, tokenizer, self.data.max_seq_len, self.data.packing
+            ),
+            tokenizer.pad_token_id,
+        )
+
+
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """Number of positions that carry a loss after the causal shift."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy in FP32 over labelled positions."""
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    return F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+class SFTObjective:
+    """Chat/instruction examples; loss on the assistant tokens only."""
+
+    normaliser_name = "response tokens (check data.max_seq_len and the data's responses)"
+
+    def __init__(self, dataset: SFTDataset, pad_id: int) -> None:
+        self.dataset, self.pad_id = dataset, pad_id
+        self.num_examples = len(dataset)
+        self.data_fingerprint = dataset.fingerprint
+
+    def micro_batch(self, indices: list[int]) -> MicroBatch:
+        batch = collate([self.dataset[i] for i in indices], self.pad_id)
+        return MicroBatch(
+            inputs=batch,
+            normaliser=count_loss_tokens(batch[LABELS]),
+            tokens=int((batch[INPUT_IDS] != self.pad_id).sum()),
+        )
+
+    def loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> LossSum:
+        model_inputs = {k: v for k, v in inputs.items() if k != LABELS}
+        # use_cache=False: a KV cache is useless in training and, with packing,
+        # transformers would skip the per-example attention masking.
+        logits = model(**model_inputs, use_cache=False).logits
+        return LossSum(summed_token_loss(logits, inputs[LABELS]))
+
+    def state_components(self) -> Mapping[str, StateComponent]:
+        return {}

@@ -1,0 +1,164 @@
+"""An optimizer's state as a component: per-parameter tensors in DCP, param groups in JSON.
+
+The expected inventory comes from the optimizer's full parameter inventory (every
+parameter it holds, the state keys, local shapes and dtypes it keeps for each), not
+from the file. Staging buffers are allocated where the optimizer keeps the state
+(host memory for offloaded groups) and sharded like their parameter, so DCP reads
+this rank's shard directly. Optimizer state is only accepted under the parallel
+layout it was saved with (``LayoutMetadata.optimizer_compatible``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from veoptim.checkpoint.component import (
+    ComponentState,
+    Inventory,
+    SavedComponent,
+    Staged,
+    TensorSpec,
+)
+from veoptim.checkpoint.contents import INFO_LAYOUT
+from veoptim.distributed.layout import LayoutMetadata
+from veoptim.errors import CheckpointError
+from veoptim.optim.dtensor_util import local, wrap_like
+from veoptim.optim.state_check import expected_optimizer_state
+
+PARAM_GROUPS = "param_groups"
+Buffers = dict[str, dict[str, torch.Tensor]]
+
+
+def trainable_named_params(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[tuple[str, torch.Tensor]]:
+    """(fqn, param) of every parameter the optimizer holds, in model order."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [(name, p) for name, p in model.named_parameters() if id(p) in held]
+
+
+def optimizer_inventory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Inventory:
+    """Specs of ``<fqn>.<state key>`` for the optimizer's full parameter inventory.
+
+    The optimizer reports local shapes; a state tensor with the parameter's local
+    shape is sharded like the parameter, so its global shape is the parameter's.
+    """
+    inventory: Inventory = {}
+    for fqn, param in trainable_named_params(model, optimizer):
+        local_shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
+        for key, (shape, dtype) in expected_optimizer_state(optimizer, param).items():
+            global_shape = param.shape if tuple(shape) == tuple(local_shape) else shape
+            inventory[f"{fqn}.{key}"] = TensorSpec(tuple(global_shape), dtype)
+    return inventory
+
+
+def _state_device(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.device:
+    """Where the optimizer keeps ``param``'s state (host memory for offloaded groups)."""
+    placement = getattr(optimizer, "state_device", None)
+    if placement is None:
+        return local(param).device
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    return placement(param, group)
+
+
+def optimizer_buffers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Buffers:
+    """``{fqn: {state key: empty tensor}}`` with the expected dtype, local shape and sharding
+    (fresh buffers, never the live state)."""
+    staging: Buffers = {}
+    for fqn, param in trainable_named_params(model, optimizer):
+        device = _state_device(optimizer, param)
+        entry = {}
+        for key, (shape, dtype) in expected_optimizer_state(optimizer, param).items():
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            if tuple(shape) == tuple(local(param).shape):
+                buffer = wrap_like(param, buffer)
+            entry[key] = buffer
+        staging[fqn] = entry
+    return staging
+
+
+def to_json_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Param-group hyperparameters as JSON values (tuples -> lists, 0-d tensors -> floats)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.item()
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        return value
+
+    return [{k: plain(v) for k, v in group.items()} for group in groups]
+
+
+def _saved_groups(saved: SavedComponent, live_groups: int) -> list[dict[str, Any]]:
+    where = f"optimizer param groups of {saved.name} in {saved.path}"
+    groups = saved.json.get(PARAM_GROUPS) if isinstance(saved.json, dict) else None
+    if not isinstance(groups, list) or len(groups) != live_groups:
+        found = len(groups) if isinstance(groups, list) else groups
+        raise CheckpointError(f"{where}: expected {live_groups} groups, found {found!r}.")
+    groups = [dict(group) for group in groups]
+    for group in groups:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    return groups
+
+
+class OptimizerState:
+    """The per-parameter state and param groups of ``optimizer`` over ``model``'s parameters.
+
+    ``layout``: the parallel layout of this run; saved state is accepted only from a
+    compatible one (checkpoint.load_optimizer=false loads weights across any layout).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: LayoutMetadata
+    ) -> None:
+        self.model, self.optimizer, self.layout = model, optimizer, layout
+
+    def state(self) -> ComponentState:
+        full = get_optimizer_state_dict(self.model, self.optimizer)
+        return ComponentState(
+            tensors=full["state"], json={PARAM_GROUPS: to_json_param_groups(full["param_groups"])}
+        )
+
+    def stage(self, saved: SavedComponent) -> Staged:
+        saved_layout = LayoutMetadata.from_json(saved.info.get(INFO_LAYOUT))
+        reason = saved_layout.optimizer_compatible(self.layout)
+        if reason is not None:
+            raise CheckpointError(
+                f"optimizer state in {saved.path} cannot be loaded into this run: {reason}; "
+                "resume with checkpoint.load_optimizer=false to load the model weights only."
+            )
+        groups = _saved_groups(saved, len(self.optimizer.param_groups))
+        buffers = optimizer_buffers(self.model, self.optimizer)
+        return Staged(
+            expected=optimizer_inventory(self.model, self.optimizer),
+            buffers=buffers,
+            install=lambda: self._install(buffers, groups),
+        )
+
+    def _install(self, buffers: Buffers, groups: list[dict[str, Any]]) -> None:
+        optimizer = self.optimizer
+        # A fresh optimizer has no state, so set_optimizer_state_dict would first run DCP's
+        # zero-LR "init" step, allocating zero grads and placeholder masters/moments next to
+        # the staged ones (resume peak memory above training's). Seeding the state with the
+        # staged tensors skips that step; load_state_dict then validates and installs them.
+        seeded = not optimizer.state
+        if seeded:
+            for fqn, param in trainable_named_params(self.model, optimizer):
+                optimizer.state[param] = buffers[fqn]
+        try:
+            set_optimizer_state_dict(
+                self.model, optimizer, {"state": buffers, PARAM_GROUPS: groups}
+            )
+        except BaseException:
+            if seeded:
+                optimizer.state.clear()
+            raise

@@ -1,0 +1,100 @@
+"""How the trainer uses the checkpointer: its root and options, the standard state
+components, and the explicit resume step that runs before any callback hook."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.component import StateComponent
+from veoptim.config.schema import CheckpointConfig
+from veoptim.distributed import DistContext
+from veoptim.state import (
+    CONFIG,
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    PROGRESS,
+    RNG,
+    SAMPLER,
+    JSONState,
+    ModelState,
+    OptimizerState,
+    RNGState,
+    RunConfigState,
+)
+from veoptim.state.run_config import WEIGHTS_ONLY_MUST_MATCH
+from veoptim.state.stateful import same_keys
+
+if TYPE_CHECKING:
+    from veoptim.trainer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+
+
+def checkpoint_root(cfg: CheckpointConfig, run_dir: Path) -> Path:
+    """``checkpoint.root``, or ``<run.dir>/checkpoints`` when unset."""
+    return Path(cfg.root) if cfg.root else run_dir / CHECKPOINTS_SUBDIR
+
+
+def build_checkpointer(cfg: CheckpointConfig, run_dir: Path, ctx: DistContext) -> Checkpointer:
+    """The run's checkpointer; async saves get their own process group."""
+    async_group = None
+    if cfg.async_save and ctx.world_size > 1:
+        # async DCP needs its own group: gloo aborts if training reuses the default one.
+        async_group = dist.new_group(backend="gloo")
+    return Checkpointer(
+        checkpoint_root(cfg, run_dir),
+        keep_last=cfg.keep_last,
+        fsync=cfg.fsync,
+        write_threads=cfg.write_threads,
+        async_group=async_group,
+    )
+
+
+def standard_state(trainer: Trainer) -> dict[str, StateComponent]:
+    """The components every run checkpoints, in install order (weights before the optimizer)."""
+    return {
+        MODEL: ModelState(trainer.model),
+        OPTIMIZER: OptimizerState(trainer.model, trainer.optimizer, trainer.plan.layout_metadata()),
+        # An LR scheduler holds its optimizer, so a load is checked by keys, not a trial load.
+        LR_SCHEDULER: JSONState(trainer.scheduler, check=same_keys),
+        SAMPLER: JSONState(trainer.sampler),
+        PROGRESS: JSONState(trainer.progress),
+        RNG: RNGState(trainer.ctx.device, trainer.ctx.world_size),
+        CONFIG: RunConfigState(trainer.config_dict),
+    }
+
+
+def load_checkpoint(trainer: Trainer, ref: str, *, load_optimizer: bool = True) -> Path | None:
+    """Load ``ref`` into the trainer's state with its checkpointer; the version loaded, or None.
+
+    ``auto`` is resolved once, on rank 0, and agreed; with no checkpoint yet the run
+    starts fresh (None). A full load requires the checkpoint's components to be exactly
+    the run's; ``load_optimizer=False`` loads the model weights only (checking that the
+    model config matches) and leaves everything else as it is.
+    """
+    path = trainer.checkpointer.resolve(ref)
+    if path is None:
+        log.info(
+            "checkpoint.resume=auto: no checkpoint in %s, starting fresh", trainer.checkpointer.root
+        )
+        return None
+    if load_optimizer:
+        step = trainer.checkpointer.load(trainer.state, path)
+        what = ", ".join(trainer.state)
+    else:
+        weights = {
+            MODEL: trainer.state[MODEL],
+            CONFIG: RunConfigState(trainer.config_dict, WEIGHTS_ONLY_MUST_MATCH),
+        }
+        step = trainer.checkpointer.load(weights, path, exact=False)
+        what = "model weights only (optimizer, scheduler and data position start fresh)"
+    log.info("restored %s from %s (step %d)", what, path, step)
+    return path

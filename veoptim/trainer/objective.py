@@ -1,0 +1,59 @@
+"""What a task gives the trainer: its data and its loss, as a sum plus a global normaliser.
+
+The loop knows nothing else about the task. For one optimizer step it asks the
+objective for each micro-batch (:meth:`Objective.micro_batch`), sums every
+micro-batch's ``normaliser`` over all ranks, and back-propagates
+``loss_sum / global_normaliser`` per micro-batch. Because the division is by the
+*global* count, the step's loss is exact whatever the number of ranks and
+accumulation steps (not a mean of per-rank means). Metric sums an objective
+reports are normalised the same way before they are logged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from veoptim.checkpoint.component import StateComponent
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on this rank: model inputs (on CPU) and what it counts for."""
+
+    inputs: dict[str, torch.Tensor]
+    #: Units the loss is a sum over (e.g. labelled tokens); summed over ranks and micro-batches.
+    normaliser: int
+    #: Non-padding input tokens, for throughput and ``tokens_seen``.
+    tokens: int
+
+
+@dataclass
+class LossSum:
+    """A micro-batch's loss summed over its normaliser units, plus metric sums to log."""
+
+    total: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Objective(Protocol):
+    """A task's data and loss (see the module docstring)."""
+
+    #: Number of examples the sampler draws indices from.
+    num_examples: int
+    #: Identifies the examples behind the indices (a resumed data order checks it).
+    data_fingerprint: str
+    #: What the normaliser counts, for the error when a global batch has none.
+    normaliser_name: str
+
+    def micro_batch(self, indices: list[int]) -> MicroBatch: ...
+
+    def loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> LossSum: ...
+
+    def state_components(self) -> Mapping[str, StateComponent]:
+        """Extra checkpointed state the objective owns (none for most)."""
+        ...
