@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from veoptim.config.schema import OptimConfig
-from veoptim.optim import MASTER_WEIGHT, STEP, build_optimizer
+from veoptim.optim import MASTER_WEIGHT, STEP, build_optimizer, dcp_state_init
 
 pytestmark = pytest.mark.multirank
 
@@ -151,13 +151,9 @@ def _worker(rank: int, port: int, out: str, phase: str) -> None:
                 model, opt = _build(name, dtype, seed=0)
                 for step in range(TRAIN_STEPS):
                     _train_step(model, opt, step, rank)
-                dcp.save(
-                    {
-                        "model": get_model_state_dict(model),
-                        "optim": get_optimizer_state_dict(model, opt),
-                    },
-                    checkpoint_id=ckpt,
-                )
+                with dcp_state_init(opt):
+                    osd = get_optimizer_state_dict(model, opt)
+                dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=ckpt)
                 _train_step(model, opt, TRAIN_STEPS, rank)
                 torch.save(_local_snapshot(model, opt), f"{ckpt}.rank{rank}.pt")
                 result[tag] = True
@@ -165,13 +161,15 @@ def _worker(rank: int, port: int, out: str, phase: str) -> None:
                 model, opt = _build(
                     name, dtype, seed=1
                 )  # different init: weights must come from DCP
-                sd = {
-                    "model": get_model_state_dict(model),
-                    "optim": get_optimizer_state_dict(model, opt),
-                }
+                with dcp_state_init(opt):
+                    sd = {
+                        "model": get_model_state_dict(model),
+                        "optim": get_optimizer_state_dict(model, opt),
+                    }
                 dcp.load(sd, checkpoint_id=ckpt)
                 set_model_state_dict(model, sd["model"])
-                set_optimizer_state_dict(model, opt, sd["optim"])
+                with dcp_state_init(opt):
+                    set_optimizer_state_dict(model, opt, sd["optim"])
                 _train_step(model, opt, TRAIN_STEPS, rank)
                 _check_layout(model, opt, name)
                 expected = torch.load(f"{ckpt}.rank{rank}.pt", weights_only=True)

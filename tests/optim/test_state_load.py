@@ -23,6 +23,7 @@ from veoptim.optim import (
     CPUOffloadAdamW,
     FullFP32AdamW,
     MasterFP32AdamW,
+    dcp_state_init,
     expected_optimizer_state,
 )
 
@@ -49,6 +50,17 @@ def _train(name: str, dtype: torch.dtype, steps: int, start: int = 0, state=None
         set_grads(params, step, dtype)
         opt.step()
     return params, opt
+
+
+def _get_osd(model, opt):
+    """DCP's get_optimizer_state_dict inside the marker that makes its init step a dummy."""
+    with dcp_state_init(opt):
+        return get_optimizer_state_dict(model, opt)
+
+
+def _set_osd(model, opt, sd) -> None:
+    with dcp_state_init(opt):
+        set_optimizer_state_dict(model, opt, sd)
 
 
 def _snapshot(params, opt) -> list[torch.Tensor]:
@@ -187,7 +199,7 @@ def test_dcp_dummy_step_is_not_a_real_step(name):
     net, plain = _Net(dtype), _Net(dtype)
     opt = FACTORIES[name]([{"params": list(net.parameters())}])
     ref = FACTORIES[name]([{"params": list(plain.parameters())}])
-    sd = get_optimizer_state_dict(net, opt)  # runs DCP's zero-grad, lr=0 "dummy" step
+    sd = _get_osd(net, opt)  # runs DCP's zero-grad, lr=0 "dummy" step
     assert all(float(v[STEP]) == 0.0 for v in sd["state"].values())
     assert len(sd["state"]) == len(list(net.parameters()))
     assert all(p.grad is None for p in net.parameters())
@@ -204,7 +216,7 @@ def test_torch_adamw_counts_the_dcp_dummy_step():
     """Negative control: unmodified torch.optim.AdamW records the dummy step as step 1."""
     net = _Net(torch.float32)
     opt = torch.optim.AdamW(net.parameters(), **HYPER)
-    sd = get_optimizer_state_dict(net, opt)
+    sd = _get_osd(net, opt)
     assert all(float(v[STEP]) == 1.0 for v in sd["state"].values())
 
 
@@ -213,7 +225,7 @@ def test_placeholder_master_follows_weights_loaded_after_it(name):
     """State made by the dummy step is re-derived from the parameter at the first real step."""
     net = _Net(torch.bfloat16)
     opt = FACTORIES[name]([{"params": list(net.parameters())}])
-    get_optimizer_state_dict(net, opt)
+    _get_osd(net, opt)
     new_weights = make_params(torch.bfloat16, seed=7)
     with torch.no_grad():
         for p, w in zip(net.parameters(), new_weights, strict=True):
@@ -235,7 +247,7 @@ def test_dcp_round_trip_reproduces_next_step_bitwise(name):
         set_grads(list(net.parameters()), step, dtype)
         opt.step()
     saved_params = [p.detach().clone() for p in net.parameters()]
-    saved = copy.deepcopy(get_optimizer_state_dict(net, opt))
+    saved = copy.deepcopy(_get_osd(net, opt))
     set_grads(list(net.parameters()), 3, dtype)
     opt.step()
     fresh = _Net(dtype)
@@ -243,7 +255,7 @@ def test_dcp_round_trip_reproduces_next_step_bitwise(name):
         for p, v in zip(fresh.parameters(), saved_params, strict=True):
             p.copy_(v)
     fresh_opt = FACTORIES[name]([{"params": list(fresh.parameters())}])
-    set_optimizer_state_dict(fresh, fresh_opt, saved)
+    _set_osd(fresh, fresh_opt, saved)
     set_grads(list(fresh.parameters()), 3, dtype)
     fresh_opt.step()
     assert _same(
@@ -266,8 +278,8 @@ def test_frozen_then_unfrozen_parameter_gets_fresh_state_at_first_gradient(name)
     # DCP round trip while frozen: the frozen parameter has no state to save or load.
     net = torch.nn.Module()
     net.params = torch.nn.ParameterList(params)
-    sd = get_optimizer_state_dict(net, opt)
-    set_optimizer_state_dict(net, opt, copy.deepcopy(sd))
+    sd = _get_osd(net, opt)
+    _set_osd(net, opt, copy.deepcopy(sd))
     with torch.no_grad():
         frozen.add_(1.0)  # e.g. weights changed while frozen
     frozen.requires_grad_(True)

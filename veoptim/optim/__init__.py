@@ -1,5 +1,6 @@
 """Optimizers: builder, the four AdamW types, state inventory, LR schedulers."""
 
+from veoptim.optim.base import dcp_state_init
 from veoptim.optim.builder import SUPPORTED_OPTIMIZERS, build_optimizer, build_param_groups
 from veoptim.optim.exact_adamw import CPUOffloadAdamW, ExactAdamW, FullFP32AdamW, MasterFP32AdamW
 from veoptim.optim.schedulers import SUPPORTED_SCHEDULERS, WarmupScheduler, build_scheduler
@@ -34,5 +35,6 @@ __all__ = [
     "build_optimizer",
     "build_param_groups",
     "build_scheduler",
+    "dcp_state_init",
     "expected_optimizer_state",
 ]

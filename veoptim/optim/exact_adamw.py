@@ -10,9 +10,12 @@ parameter tensor (no second copy), and loading it writes the parameter.
 State is created lazily at a parameter's first real gradient, from the
 parameter's current value. The "dummy step" of
 ``torch.distributed.checkpoint.state_dict`` (empty state, every gradient zero,
-every lr 0) only creates placeholder state with ``step == 0``; a placeholder
-(or loaded state whose step is 0) is re-derived from the parameter at the first
-real step, so weights loaded after the placeholder was made are honoured.
+every lr 0), recognised only inside :func:`~veoptim.optim.base.dcp_state_init`,
+creates placeholder state with ``step == 0``; a placeholder is re-derived from
+the parameter at the first real step, so weights loaded after it was made are
+honoured. Edits of a parameter between steps are followed, never reverted
+(``param_edits.py``). ``step`` is kept out of ``torch.compile`` graphs: the fused
+kernel mutates its inputs in a way functionalization rejects.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from veoptim.optim.fused_engine import (
     adamw_update_,
 )
 from veoptim.optim.offload import StagingBuffer, offload_update_
+from veoptim.optim.param_edits import EditFollowingMixin, Mark, log_rederived, mark_of
 from veoptim.optim.rounding import noise_key
 from veoptim.optim.state_check import ExpectedState
 from veoptim.optim.state_keys import (
@@ -47,11 +51,18 @@ from veoptim.optim.state_keys import (
     STEP_DTYPE,
     SUPPORTED_PARAM_DTYPES,
 )
+from veoptim.optim.validation import (
+    check_bool,
+    check_hyper,
+    check_int,
+    check_moment_dtype,
+    check_positive_int,
+)
 
 _HOST = torch.device("cpu")
 
 
-class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
+class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
     """AdamW with FP32 masters; groups with ``cpu_offload=True`` keep their state in host memory."""
 
     allows_offload: ClassVar[bool] = False
@@ -74,18 +85,27 @@ class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
         fused_chunk_size: int = DEFAULT_FUSED_CHUNK,
         param_names: Mapping[int, str] | None = None,
     ) -> None:
+        check_bool("amsgrad", amsgrad)
         if amsgrad:
             raise ConfigError(
                 f"{type(self).__name__} does not implement amsgrad (its state would need a fourth "
                 "moment tensor outside the checkpoint format); use amsgrad=False."
             )
-        if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ConfigError(
-                "AdamW needs lr >= 0, eps > 0, weight_decay >= 0 and 0 <= betas < 1; "
-                f"got lr={lr}, eps={eps}, weight_decay={weight_decay}, betas={tuple(betas)}."
-            )
-        if chunk_size < 1 or fused_chunk_size < 1:
-            raise ConfigError(f"chunk sizes must be >= 1, got {chunk_size}, {fused_chunk_size}.")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            **{CPU_OFFLOAD: False},
+        )
+        check_hyper(defaults)
+        check_moment_dtype("resident_moment_dtype", resident_moment_dtype)
+        check_moment_dtype("offload_moment_dtype", offload_moment_dtype)
+        check_bool("stochastic_rounding", stochastic_rounding)
+        check_int("sr_seed", sr_seed)
+        check_positive_int("chunk_size", chunk_size)
+        check_positive_int("fused_chunk_size", fused_chunk_size)
         self.resident_moment_dtype = resident_moment_dtype
         self.offload_moment_dtype = offload_moment_dtype
         self.stochastic_rounding = stochastic_rounding
@@ -93,39 +113,78 @@ class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
         self.chunk_size = chunk_size
         self.fused_chunk_size = fused_chunk_size
         self.param_names: dict[int, str] = dict(param_names or {})
+        self._init_runtime()
+        super().__init__(params, defaults)
+
+    def _init_runtime(self) -> None:
+        """Buffers and bookkeeping that are rebuilt, not copied, by deepcopy and pickle."""
         self._scratch = Scratch()
         self._host_scratch = Scratch()
         self._staging: dict[torch.device, StagingBuffer] = {}
         self._unverified: set[torch.Tensor] = set()
         self._ordinals: dict[int, int] = {}
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            maximize=maximize,
-            **{CPU_OFFLOAD: False},
-        )
-        super().__init__(params, defaults)
+        #: Per parameter: its (_version, data_ptr) after this optimizer last wrote it.
+        self._marks: dict[torch.Tensor, Mark] = {}
+
+    # ------------------------------------------------------------------ deepcopy / pickle
+    _SETTINGS: ClassVar[tuple[str, ...]] = (
+        "resident_moment_dtype",
+        "offload_moment_dtype",
+        "stochastic_rounding",
+        "sr_seed",
+        "chunk_size",
+        "fused_chunk_size",
+    )
+
+    def _settings(self) -> dict[str, Any]:
+        return {**super()._settings(), **{k: getattr(self, k) for k in self._SETTINGS}}
+
+    def _restore_settings(self, settings: Mapping[str, Any]) -> None:
+        super()._restore_settings(settings)
+        for k in self._SETTINGS:
+            setattr(self, k, settings[k])
+        self._init_runtime()
+        # No marks: the first step compares each parameter with its master once, which also
+        # re-aliases resident FP32 masters (a deepcopy clones a Parameter apart from its state).
+        for p in self._all_params():
+            self._ordinals.setdefault(id(p), len(self._ordinals))
 
     # ------------------------------------------------------------------ groups and policy
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate the whole group first: a rejected group leaves the optimizer unchanged."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else params
+        if not isinstance(params, set):  # torch rejects sets with its own message
+            params = list(params)
+            self._check_group({**self.defaults, **param_group}, params)
+            param_group = {**param_group, "params": params}
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        for p in group["params"]:
+        for p in self.param_groups[-1]["params"]:
             self._ordinals.setdefault(id(p), len(self._ordinals))
-        if group[CPU_OFFLOAD] and not self.allows_offload:
+
+    def _check_group(self, group: Mapping[str, Any], params: list[Any]) -> None:
+        check_hyper(group)
+        offload = group[CPU_OFFLOAD]
+        check_bool(CPU_OFFLOAD, offload)
+        if offload and not self.allows_offload:
             raise ConfigError(
                 f"{type(self).__name__} keeps all state on the device; cpu_offload groups need "
                 "cpu_offload_adamw."
             )
-        for p in group["params"]:
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                continue  # torch's add_param_group names the offending value
             pl = local(p)
             if pl.dtype not in SUPPORTED_PARAM_DTYPES or not pl.is_contiguous():
                 raise ConfigError(
                     f"{type(self).__name__} needs contiguous parameters of dtype "
                     f"{[str(d) for d in SUPPORTED_PARAM_DTYPES]}; {self._name(p)} is "
                     f"{pl.dtype}, contiguous={pl.is_contiguous()}."
+                )
+            if offload and pl.is_meta:
+                raise ConfigError(
+                    f"{self._name(p)} is on the meta device; an offloaded group copies its "
+                    "parameters into host state, so materialise them before building the optimizer."
                 )
 
     @staticmethod
@@ -171,7 +230,9 @@ class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
             STEP: torch.zeros((), dtype=STEP_DTYPE, device=device),
         }
 
-    def _real_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def _real_state(
+        self, p: torch.Tensor, group: Mapping[str, Any], edited: list[str]
+    ) -> dict[str, torch.Tensor]:
         state = self.state[p]
         if p in self._unverified:
             self._unverified.discard(p)
@@ -180,9 +241,12 @@ class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
         if not state:
             state = self._fresh_state(p, group)
             self.state[p] = state
+        elif self._marks.get(p) != mark_of(p):
+            self._follow_edit(p, group, state, edited)
         return state
 
     # ------------------------------------------------------------------ step
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None
@@ -196,11 +260,13 @@ class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
                         self.state[p] = self._fresh_state(p, group)
                         self._unverified.add(p)
             return loss
+        edited: list[str] = []
         for group in self.param_groups:
-            self._step_group(group)
+            self._step_group(group, edited)
+        log_rederived(type(self).__name__, edited)
         return loss
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _step_group(self, group: dict[str, Any], edited: list[str]) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
@@ -210,7 +276,7 @@ class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
             grad = local(p.grad)
             if grad.is_sparse:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients.")
-            state = self._real_state(p, group)
+            state = self._real_state(p, group, edited)
             batch.masters.append(local(state[MASTER_WEIGHT]).view(-1))
             batch.grads.append(grad.reshape(-1))
             batch.exp_avgs.append(local(state[EXP_AVG]).view(-1))
@@ -235,6 +301,8 @@ class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
             offload_update_(batch, hp, staging, self._host_scratch, self.stochastic_rounding)
         else:
             adamw_update_(batch, hp, self._scratch, self.fused_chunk_size, self.stochastic_rounding)
+        for p in params:
+            self._marks[p] = mark_of(p)
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
@@ -280,7 +348,8 @@ class ExactAdamW(ValidatedOptimizerMixin, Optimizer):
                 if k not in ("params", CPU_OFFLOAD):
                     group[k] = v
         self.state = new_state
-        self._unverified = set(new_state)
+        self._unverified = set()  # loaded step-0 state was validated against the parameter
+        self._marks = {p: mark_of(p) for p in new_state}
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -91,3 +91,30 @@ def check_entry(name: str, param: torch.Tensor, entry: Any, expected: ExpectedSt
 def param_name(names: Mapping[int, str], param: torch.Tensor, group: int, index: int) -> str:
     """A readable name for error messages: the model FQN when known."""
     return names.get(id(param), f"param {index} of group {group}")
+
+
+def check_unstepped(name: str, param: torch.Tensor, entry: Mapping[str, Any]) -> None:
+    """State whose ``step`` is 0 must be what a fresh optimizer would hold for the live parameter.
+
+    Moments zero and, where there is one, a master equal to the live parameter.
+    Such state used to be re-derived silently at the first step; a conflict means
+    the state belongs to other weights, so it is refused (CheckpointError).
+    """
+    if float(entry["step"]) != 0.0:
+        return
+    for key in ("exp_avg", "exp_avg_sq"):
+        value = local(entry[key])
+        if bool(value.any()):
+            raise CheckpointError(
+                f"optimizer state {key!r} of {name} is non-zero although its step is 0; "
+                "state that was never stepped must have zero moments."
+            )
+    master = entry.get("master_weight")
+    if master is not None:
+        mine, live = local(master), local(param)
+        if not torch.equal(mine, live.to(device=mine.device, dtype=mine.dtype)):
+            raise CheckpointError(
+                f"optimizer state 'master_weight' of {name} has step 0 but differs from the live "
+                "parameter; never-stepped state must match the weights it is loaded with (load "
+                "the model weights of the same checkpoint first)."
+            )

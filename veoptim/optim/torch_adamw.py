@@ -9,6 +9,7 @@ loader runs, rejecting instead of casting.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,6 +20,10 @@ from veoptim.optim.base import ValidatedOptimizerMixin
 from veoptim.optim.dtensor_util import local
 from veoptim.optim.state_check import ExpectedState
 from veoptim.optim.state_keys import EXP_AVG, EXP_AVG_SQ, STEP, STEP_DTYPE
+from veoptim.optim.validation import check_bool, check_lr
+
+#: Boolean options of torch.optim.AdamW; torch itself accepts any truthy value.
+_BOOL_OPTIONS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
 
 
 class AdamW(ValidatedOptimizerMixin, torch.optim.AdamW):
@@ -31,10 +36,21 @@ class AdamW(ValidatedOptimizerMixin, torch.optim.AdamW):
         param_names: Mapping[int, str] | None = None,
         **kwargs: Any,
     ) -> None:
+        for name in _BOOL_OPTIONS:
+            if name in kwargs:
+                check_bool(name, kwargs[name], optional=name in ("foreach", "fused"))
         if kwargs.get("amsgrad"):
             raise ConfigError("veoptim's adamw does not support amsgrad; use amsgrad=False.")
         self.param_names: dict[int, str] = dict(param_names or {})
         super().__init__(params, **kwargs)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Check a group's own lr/maximize before torch adds it (torch checks only the defaults)."""
+        if "lr" in param_group:
+            check_lr(param_group["lr"])
+        if "maximize" in param_group:
+            check_bool("maximize", param_group["maximize"])
+        super().add_param_group(param_group)
 
     def expected_state(self, param: torch.Tensor) -> ExpectedState:
         """torch AdamW's state of ``param``: moments in the parameter dtype, FP32 scalar step."""
@@ -49,15 +65,40 @@ class AdamW(ValidatedOptimizerMixin, torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         if not self._is_dcp_dummy_step():
-            return super().step(closure)
+            return self._torch_step(closure)
         # lr 0 and zero gradients leave parameters and moments bitwise unchanged; only
         # the step counters moved, and they are put back to 0.
-        loss = super().step(closure)
+        loss = self._torch_step(closure)
         for state in self.state.values():
             state[STEP].zero_()
         return loss
 
+    def _torch_step(self, closure: Any) -> Any:
+        """torch's AdamW step without its step-hook wrapper.
+
+        Once any plain ``torch.optim.Adam``/``AdamW`` exists, torch has wrapped that class's
+        ``step`` to run step hooks; our own ``step`` is wrapped too, so calling the wrapped
+        parent would run every pre/post hook twice.
+        """
+        fn = super().step.__func__  # type: ignore[attr-defined]
+        while getattr(fn, "hooked", False):
+            fn = fn.__wrapped__
+        return fn(self, closure)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Reject (CheckpointError, nothing changed) state whose keys, dtype or shape differ."""
+        """Reject (CheckpointError, nothing changed) state whose keys, dtype or shape differ.
+
+        Load pre-hooks run first (as in torch), so what is validated is what is loaded.
+        """
+        state_dict = dict(state_dict)
+        hooks = self._optimizer_load_state_dict_pre_hooks
+        for hook in hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._validated_owners(state_dict)
-        super().load_state_dict(state_dict)
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # already run above
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = hooks
