@@ -68,3 +68,8 @@ def test_default_batch_sizes_work_on_the_documented_rank_counts(ranks):
     train = to_config(compose_sft()).train
     sampler = GlobalBatchSampler(3000, train.global_batch_size, train.micro_batch_size, 0, ranks, 0)
     assert sum(len(mb) for mb in sampler.next_step()) * ranks == train.global_batch_size
+
+
+def test_attention_dropout_outside_zero_one_is_rejected():
+    with pytest.raises(ConfigError, match=r"model.attention_dropout must be in \[0, 1\), got 1.5"):
+        to_config(compose_sft(["model.attention_dropout=1.5"]))

@@ -98,7 +98,10 @@ def test_prompt_response_lines_equal_the_same_one_turn_chat(tokenizer, write_jso
 
 
 def test_examples_are_truncated_to_max_seq_len(tokenizer, write_jsonl):
-    path = write_jsonl([{"prompt": "Repeat: " + "ka " * 40, "response": "ka " * 40}])
+    # A short second example keeps a response within 16 tokens: a dataset whose every
+    # response is cut off is refused (tests/data/test_truncation_report.py).
+    long = {"prompt": "Repeat: " + "ka " * 40, "response": "ka " * 40}
+    path = write_jsonl([long, {"prompt": "Hi", "response": "ok"}])
     full = load_sft_dataset(str(path), tokenizer, 512, False)[0]
     dataset = load_sft_dataset(str(path), tokenizer, 16, False)
     assert dataset.num_truncated == 1

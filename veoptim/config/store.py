@@ -5,6 +5,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from veoptim.config.keys import check_known_keys
 from veoptim.config.schema import TrainerConfig
 from veoptim.config.validate import validate_config
 from veoptim.errors import ConfigError
@@ -21,7 +22,12 @@ def register_schema(task: str, schema: type[TrainerConfig]) -> None:
 
 
 def to_config(cfg: DictConfig) -> TrainerConfig:
-    """Convert a config composed with a task schema to its validated dataclass (ConfigError)."""
+    """Convert a config composed with a task schema to its validated dataclass (ConfigError).
+
+    Keys the schema does not declare (``+optim.lrr=...``) are rejected first: the
+    conversion would drop them silently.
+    """
+    check_known_keys(cfg)
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, TrainerConfig):
         raise ConfigError(

@@ -20,6 +20,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "logging.wandb.mode": ("disabled", "offline", "online"),
 }
 
+#: Model presets that load ``model.path`` (``configs/model/<name>.yaml``); the path is required.
+PATH_PRESETS: tuple[str, ...] = ("hf_local",)
+
 POSITIVE: tuple[str, ...] = (
     "train.max_steps",
     "train.global_batch_size",
@@ -73,9 +76,33 @@ def validate_config(cfg: TrainerConfig) -> None:
         )
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas must be two values in [0, 1), got {list(cfg.optim.betas)}.")
+    if not 0.0 <= cfg.model.attention_dropout < 1.0:
+        raise ConfigError(
+            f"model.attention_dropout must be in [0, 1), got {cfg.model.attention_dropout}."
+        )
+    _validate_model(cfg)
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Checked here, on every rank, so no rank fails alone after the others started.
         raise ConfigError(
             "logging.tensorboard=true needs the tensorboard package, which is not installed; "
             "install it with pip install -e '.[tensorboard]' or set logging.tensorboard=false."
+        )
+
+
+def _validate_model(cfg: TrainerConfig) -> None:
+    """The model source and the sequence length it supports (a model.path is checked on load)."""
+    model = cfg.model
+    if model.name in PATH_PRESETS and not model.path:
+        # hf_local.yaml cannot mark the path mandatory: merged over the schema's '' default,
+        # '???' leaves '' in place, and the run would train the random bundled model.
+        raise ConfigError(
+            f"model.path is required with model={model.name} (a local Hugging Face model "
+            "directory with config.json), but it is empty; add model.path=/path/to/model."
+        )
+    if not model.path and cfg.data.max_seq_len > model.max_position_embeddings:
+        raise ConfigError(
+            f"data.max_seq_len ({cfg.data.max_seq_len}) must be <= "
+            f"model.max_position_embeddings ({model.max_position_embeddings}), the longest "
+            "position the model supports; lower data.max_seq_len or raise "
+            "model.max_position_embeddings."
         )

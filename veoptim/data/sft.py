@@ -14,6 +14,7 @@ of each other; one that is not (e.g. it rewrites earlier turns) is rejected.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -27,6 +28,25 @@ from veoptim.data.packing import Example, pack_examples
 from veoptim.data.paths import bundled_dataset_path
 from veoptim.data.records import Conversation, Message, read_conversations
 from veoptim.errors import DataError
+
+log = logging.getLogger(__name__)
+
+#: Above this share of truncated examples the startup report is a warning.
+TRUNCATION_WARN_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """What ``data.max_seq_len`` cut off, reported at startup: silent truncation trains on
+    partial answers, and a length that cuts every response trains on nothing."""
+
+    num_truncated: int = 0
+    #: Examples whose every trained (response) token lies beyond max_seq_len.
+    num_without_response: int = 0
+    #: Tokens of the longest example before truncation.
+    longest: int = 0
+    #: The shortest max_seq_len that keeps a response token of at least one example.
+    min_len_with_response: int = 0
 
 
 def _render(
@@ -85,29 +105,66 @@ def tokenize_conversations(
     tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
     path: Path,
-) -> tuple[list[Example], int]:
+) -> tuple[list[Example], Truncation]:
     """``input_ids`` and ``labels`` (-100 outside assistant turns), truncated to ``max_seq_len``.
 
-    Returns the examples and how many were truncated.
+    Returns the examples and what truncation cut off.
     """
     rendered = [trained_spans(tokenizer, c, f"{path}:{c.line}") for c in conversations]
     encoded = tokenizer(
         [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
     )
     examples = []
-    num_truncated = 0
+    num_truncated = without_response = longest = 0
+    needed = None  # the fewest tokens that keep a trained token (positions >= 1 carry loss)
     for (_, spans), ids, offsets in zip(
         rendered, encoded[INPUT_IDS], encoded["offset_mapping"], strict=True
     ):
         labels = _label(ids, offsets, spans)
         num_truncated += len(ids) > max_seq_len
+        longest = max(longest, len(ids))
+        first = next((k for k in range(1, len(labels)) if labels[k] != IGNORE_INDEX), None)
+        without_response += first is None or first >= max_seq_len
+        if first is not None:
+            needed = first + 1 if needed is None else min(needed, first + 1)
         examples.append(
             {
                 INPUT_IDS: torch.tensor(ids[:max_seq_len], dtype=torch.long),
                 LABELS: torch.tensor(labels[:max_seq_len], dtype=torch.long),
             }
         )
-    return examples, num_truncated
+    return examples, Truncation(num_truncated, without_response, longest, needed or 0)
+
+
+def report_truncation(
+    truncation: Truncation, num_examples: int, max_seq_len: int, path: Path
+) -> None:
+    """Log how many examples ``max_seq_len`` truncated (a warning above 5 %, or when some
+    lose their whole response); ``DataError`` when no example keeps a response token."""
+    if truncation.num_without_response == num_examples:
+        need = truncation.min_len_with_response
+        if not need or need <= max_seq_len:  # no response at all, whatever the length
+            raise DataError(f"no example of {path} has a response token to train on.")
+        raise DataError(
+            f"data.max_seq_len={max_seq_len} is too short to hold any response of {path}: all "
+            f"{num_examples} examples are cut before their first response token, so nothing "
+            f"would be trained; expected data.max_seq_len >= {need} (the shortest prompt plus "
+            f"one response token), ideally >= {truncation.longest} (the longest example)."
+        )
+    share = truncation.num_truncated / num_examples
+    summary = (
+        f"{truncation.num_truncated} of {num_examples} examples ({share:.1%}) in {path} are "
+        f"longer than data.max_seq_len={max_seq_len} and were truncated "
+        f"(longest: {truncation.longest} tokens)"
+    )
+    if truncation.num_without_response:
+        summary += (
+            f"; {truncation.num_without_response} of them keep no response token and train nothing"
+        )
+    if share > TRUNCATION_WARN_SHARE or truncation.num_without_response:
+        log.warning("%s; raise data.max_seq_len to train on whole examples.", summary)
+    else:
+        log.info("%s.", summary)
 
 
 @dataclass
@@ -125,6 +182,7 @@ class SFTDataset:
     items: list[Example]
     num_examples: int
     num_truncated: int
+    truncation: Truncation = Truncation()
 
     def __len__(self) -> int:
         return len(self.items)
@@ -160,6 +218,9 @@ def load_sft_dataset(
         raise DataError("the tokenizer has no pad token; load it with veoptim.data.load_tokenizer.")
     file = Path(path) if path else bundled_dataset_path()
     conversations = read_conversations(file)
-    examples, num_truncated = tokenize_conversations(conversations, tokenizer, max_seq_len, file)
+    examples, truncation = tokenize_conversations(conversations, tokenizer, max_seq_len, file)
+    report_truncation(truncation, len(examples), max_seq_len, file)
     items = pack_examples(examples, max_seq_len, tokenizer.pad_token_id) if packing else examples
-    return SFTDataset(file, max_seq_len, packing, items, len(examples), num_truncated)
+    return SFTDataset(
+        file, max_seq_len, packing, items, len(examples), truncation.num_truncated, truncation
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -11,25 +12,70 @@ from veoptim.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+#: Classes a tokenizer saves when it is plain tokenizer.json (the bundled one and its exports).
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def load_tokenizer(path: str = "") -> PreTrainedTokenizerFast:
-    """Load the tokenizer at ``path`` ('' = bundled) with ``AutoTokenizer``, local files only.
+def _declared_class(directory: Path) -> str | None:
+    """The ``tokenizer_class`` that ``tokenizer_config.json`` declares, if readable."""
+    try:
+        return json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get(
+            "tokenizer_class"
+        )
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _from_pretrained(directory: Path) -> PreTrainedTokenizerFast:
+    """``AutoTokenizer``, except that a generic tokenizer stays generic.
+
+    Next to a model's config.json, AutoTokenizer picks the class from the model type
+    (qwen2: Qwen2Tokenizer), which adds its own ``<|endoftext|>`` token: the bundled
+    512-token tokenizer of an exported model would load with 513 tokens, one more than
+    the model's vocabulary. The class the directory declares is what was saved.
+    """
+    if _declared_class(directory) in GENERIC_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def tokenizer_source(tokenizer_path: str, model_path: str = "") -> tuple[str, str]:
+    """``(directory, config key)`` of the run's tokenizer: ``data.tokenizer_path`` if set,
+    else the model's own directory (``model.path``), else '' (the bundled tokenizer).
+
+    A model loaded from a directory is trained with the tokenizer it was trained with;
+    the bundled 512-token tokenizer would silently mismatch its embeddings.
+    """
+    if tokenizer_path:
+        return tokenizer_path, "data.tokenizer_path"
+    if model_path:
+        return model_path, "model.path"
+    return "", "data.tokenizer_path"
+
+
+def load_tokenizer(path: str = "", model_path: str = "") -> PreTrainedTokenizerFast:
+    """Load the tokenizer at ``path`` (else at ``model_path``, else the bundled one) with
+    ``AutoTokenizer``, local files only.
 
     SFT needs a fast tokenizer (character offsets locate the assistant turns) and
     a chat template. A tokenizer without a pad token pads with its EOS token.
     """
+    path, key = tokenizer_source(path, model_path)
     directory = Path(path) if path else bundled_tokenizer_dir()
     if not directory.is_dir():
-        raise DataError(
-            f"data.tokenizer_path must be a tokenizer directory; {directory} does not exist."
-        )
+        raise DataError(f"{key} must be a tokenizer directory; {directory} does not exist.")
     if not any((directory / name).is_file() for name in (TOKENIZER_FILE, CONFIG_FILE)):
+        hint = (
+            "; set data.tokenizer_path to the model's tokenizer directory"
+            if key == "model.path"
+            else ""
+        )
         raise DataError(
-            f"tokenizer directory {directory} has neither {TOKENIZER_FILE} nor {CONFIG_FILE}."
+            f"tokenizer directory {directory} ({key}) has neither {TOKENIZER_FILE} "
+            f"nor {CONFIG_FILE}{hint}."
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = _from_pretrained(directory)
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise DataError(
             f"could not load a tokenizer from {directory} (expected {TOKENIZER_FILE} and "

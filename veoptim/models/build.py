@@ -53,6 +53,7 @@ def _hf_config(cfg: ModelConfig, vocab_size: int, special: dict[str, int]) -> Pr
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
         head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        attention_dropout=cfg.attention_dropout,
         **special,
     )
     if cfg.arch != "qwen2":
@@ -73,6 +74,52 @@ def _hf_config(cfg: ModelConfig, vocab_size: int, special: dict[str, int]) -> Pr
     return config_cls(**kwargs)
 
 
+def _local_config(path: Path) -> PretrainedConfig:
+    """The HF config of the model directory ``model.path`` (config.json only, no weights)."""
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model.path must be a local HF model directory with config.json; got {path}."
+        )
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(
+            f"model.path {path}: config.json could not be read by transformers "
+            f"(expected a causal LM config): {str(error).splitlines()[0]}"
+        ) from error
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_model_fits(
+    cfg: ModelConfig, tokenizer_size: int, max_seq_len: int, tokenizer_dir: str = ""
+) -> None:
+    """Fail before any data or weights are loaded if the tokenizer or the sequence length
+    exceeds the model: a token id past the vocabulary is an IndexError deep in the
+    embedding, a position past ``max_position_embeddings`` silently garbage.
+
+    Models built from config get ``vocab_size = tokenizer_size``, and their positions are
+    checked by config validation; here it is the loaded config of ``model.path``.
+    """
+    if not cfg.path:
+        return
+    path = Path(cfg.path)
+    config = _local_config(path)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and tokenizer_size > vocab:
+        raise ConfigError(
+            f"the tokenizer{f' at {tokenizer_dir}' if tokenizer_dir else ''} has "
+            f"{tokenizer_size} tokens, but the model at model.path={path} has vocab_size "
+            f"{vocab} (config.json): token ids >= {vocab} have no embedding; use the model's "
+            "own tokenizer (leave data.tokenizer_path empty) or a model with a larger vocabulary."
+        )
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and max_seq_len > positions:
+        raise ConfigError(
+            f"data.max_seq_len ({max_seq_len}) must be <= the max_position_embeddings "
+            f"({positions}) of the model at model.path={path}; lower data.max_seq_len."
+        )
+
+
 def build_model(
     cfg: ModelConfig,
     vocab_size: int,
@@ -91,10 +138,7 @@ def build_model(
     dtype = resolve_dtype(cfg.dtype, "model.dtype")
     if cfg.path:
         path = Path(cfg.path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"model.path must be a local HF model directory with config.json; got {path}."
-            )
+        _local_config(path)  # a clear ConfigError for a directory that is not a model
         if on_meta:
             with torch.device("meta"):
                 config = AutoConfig.from_pretrained(path)
