@@ -14,15 +14,15 @@ from veoptim.trainer import Callback
 
 
 def standard_callbacks(cfg: TrainerConfig, resolved: dict[str, Any]) -> list[Callback]:
-    """The callbacks every task uses, in hook order: run files, checkpoints, metrics, progress."""
+    """The callbacks every task uses, in hook order: run files, metrics, checkpoints, progress."""
+    # Metrics before checkpoints: a step's record is written before that step's checkpoint
+    # is published, so a crash between them never leaves a checkpoint missing from the log.
     callbacks: list[Callback] = [
         ResolvedConfigCallback(resolved),
-        CheckpointCallback(cfg.checkpoint),
-    ]
-    callbacks += [
         MetricsFileCallback(cfg.logging),
         WandbCallback(cfg.logging, resolved),
         TensorBoardCallback(cfg.logging),
+        CheckpointCallback(cfg.checkpoint),
     ]
     if cfg.logging.progress:
         callbacks.append(ProgressCallback())

@@ -42,7 +42,8 @@ class CheckpointCallback(Callback):
 
     def on_train_end(self, trainer: Trainer) -> None:
         sliced = trainer.progress.global_step == trainer.cfg.train.stop_at_step
-        if self.cfg.save_at_end or sliced:  # a time slice always saves: it will be resumed
+        signalled = trainer.preempted and self.cfg.save_on_signal
+        if self.cfg.save_at_end or sliced or signalled:  # slices and preemptions are resumed
             self._save(trainer)
         self._announce(trainer, trainer.checkpointer.wait())
 

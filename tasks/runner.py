@@ -46,7 +46,7 @@ def run_task(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, 
         trainer = Trainer.from_config(config, ctx, [*standard_callbacks(config, resolved), summary])
         log.info(
             "training %s (%s, optim=%s) for %d steps on %s x%d; run dir %s",
-            config.model.name, config.model.arch, config.optim.name, trainer.last_step,
+            config.model.name, trainer.model.config.model_type, config.optim.name, trainer.last_step,
             ctx.device, ctx.world_size, config.run.dir,
         )  # fmt: skip
         trainer.train()

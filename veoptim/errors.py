@@ -19,3 +19,11 @@ class CheckpointError(VeoptimError, RuntimeError):
 
 class DistributedError(VeoptimError, RuntimeError):
     """The process group, device or parallel plan could not be set up."""
+
+
+class LiveStateInvalidError(CheckpointError):
+    """Applying a checkpoint failed after live state was written: the run must not continue."""
+
+
+class PreemptedError(VeoptimError, RuntimeError):
+    """Training stopped on SIGTERM/SIGINT after saving; the message says how to resume."""

@@ -10,10 +10,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,10 +30,12 @@ from tests.checkpoint.ckpt_state import (
     save_with,
     snapshot,
 )
+from tests.checkpoint.helpers.pickles import dangerous_payloads
 from veoptim.checkpoint import Publisher, resolve, step_name
 from veoptim.checkpoint import contents as C
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.layout import MANIFEST_FILE
+from veoptim.checkpoint.safe_dcp import ALLOWED_GLOBALS
 from veoptim.errors import CheckpointError
 from veoptim.state import MODEL, OPTIMIZER, SAMPLER
 from veoptim.trainer import Trainer
@@ -38,15 +44,23 @@ GOOD = step_name(3)
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
+class Saved(NamedTuple):
+    """A good checkpoint at step 3, the trainer that wrote it (for its tensors) and that
+    trainer's whole state at save time (RNG states are process-wide: capture them then)."""
+
+    root: Path
+    writer: Trainer
+    at_save: dict[str, Any]
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> tuple[Path, Trainer]:
-    """A good checkpoint at step 3, and the trainer that wrote it (for its tensors)."""
+def saved(tmp_path_factory) -> Saved:
     run_dir = tmp_path_factory.mktemp("saved")
     trainer = build_trainer(run_dir)
     for _ in range(3):
         trainer.train_step()
     save_with(Checkpointer(run_dir / "ckpt", fsync=False), trainer, GOOD)
-    return run_dir / "ckpt", trainer
+    return Saved(run_dir / "ckpt", trainer, snapshot(trainer))
 
 
 @pytest.fixture
@@ -93,16 +107,29 @@ def assert_fails_closed(live: Trainer, root: Path, name: str, match: str, **kwar
     return str(info.value)
 
 
+def perturb_rngs() -> None:
+    """Move every global RNG away from any seeded state."""
+    random.seed(987_654)
+    np.random.seed(987_654)
+    torch.manual_seed(987_654)
+
+
 def test_good_checkpoint_loads_into_a_fresh_run(saved, live):
-    root, writer = saved
-    load_with(Checkpointer(root), live, GOOD)
+    """Every piece of restored state equals the writer's at save time: params, optimizer
+    state and param groups, scheduler, sampler, progress and (perturbed first) the RNGs."""
+    perturb_rngs()
+    before = snapshot(live)
+    assert before.keys() == saved.at_save.keys()
+    for key in before:  # every component really has something to restore
+        with pytest.raises(AssertionError):
+            assert_bitwise_equal(saved.at_save[key], before[key], key)
+    load_with(Checkpointer(saved.root), live, GOOD)
     assert live.progress.global_step == 3
-    assert_bitwise_equal(snapshot(writer)["params"], snapshot(live)["params"])
-    assert_bitwise_equal(snapshot(writer)["state"], snapshot(live)["state"])
+    assert_bitwise_equal(saved.at_save, snapshot(live), "restored")
 
 
 def test_missing_tensor(saved, live):
-    root, writer = saved
+    root, writer = saved.root, saved.writer
     tensors = tensors_of(writer)
     del tensors[MODEL]["lm_head.weight"]
     republish(root, "missing_tensor", tensors)
@@ -111,7 +138,7 @@ def test_missing_tensor(saved, live):
 
 
 def test_missing_optimizer_state_key(saved, live):
-    root, writer = saved
+    root, writer = saved.root, saved.writer
     tensors = tensors_of(writer)
     del tensors[OPTIMIZER]["model.norm.weight"]["exp_avg_sq"]
     republish(root, "missing_moment", tensors)
@@ -119,7 +146,7 @@ def test_missing_optimizer_state_key(saved, live):
 
 
 def test_extra_tensor(saved, live):
-    root, writer = saved
+    root, writer = saved.root, saved.writer
     tensors = tensors_of(writer)
     tensors[MODEL]["surprise.weight"] = torch.zeros(3)
     republish(root, "extra_tensor", tensors)
@@ -127,7 +154,7 @@ def test_extra_tensor(saved, live):
 
 
 def test_wrong_shape(saved, live):
-    root, writer = saved
+    root, writer = saved.root, saved.writer
     tensors = tensors_of(writer)
     tensors[MODEL]["model.norm.weight"] = torch.ones(65, dtype=torch.bfloat16)
     republish(root, "wrong_shape", tensors)
@@ -139,8 +166,26 @@ def test_wrong_shape(saved, live):
     )
 
 
+def test_transposed_optimizer_state_is_rejected(saved, live):
+    """Same element count, other shape: a moment of a 2-D weight stored transposed."""
+    tensors = tensors_of(saved.writer)
+    fqn = "model.layers.0.mlp.gate_proj.weight"
+    moment = tensors[OPTIMIZER][fqn]["exp_avg"]
+    assert moment.dim() == 2 and moment.shape[0] != moment.shape[1]
+    tensors[OPTIMIZER][fqn]["exp_avg"] = moment.t().contiguous()
+    republish(saved.root, "transposed_moment", tensors)
+    rows, cols = moment.shape
+    assert_fails_closed(
+        live,
+        saved.root,
+        "transposed_moment",
+        rf"optimizer\.{re.escape(fqn)}\.exp_avg \(expected \[{rows}, {cols}\] float32, "
+        rf"found \[{cols}, {rows}\] float32\)",
+    )
+
+
 def test_bf16_rounded_masters_are_rejected_not_cast(saved, live):
-    root, writer = saved
+    root, writer = saved.root, saved.writer
     tensors = tensors_of(writer)
     for entry in tensors[OPTIMIZER].values():
         entry["master_weight"] = entry["master_weight"].to(torch.bfloat16)
@@ -151,7 +196,7 @@ def test_bf16_rounded_masters_are_rejected_not_cast(saved, live):
 
 
 def test_truncated_shard_fails_in_the_read_phase(saved, live):
-    root, _ = saved
+    root = saved.root
 
     def truncate(out: Path) -> None:
         shard = next((out / C.DCP_DIR).glob("*.distcp"))
@@ -162,7 +207,7 @@ def test_truncated_shard_fails_in_the_read_phase(saved, live):
 
 
 def test_corrupted_metadata(saved, live):
-    root, _ = saved
+    root = saved.root
     republish(
         root,
         "bad_metadata",
@@ -172,14 +217,14 @@ def test_corrupted_metadata(saved, live):
 
 
 def test_published_version_without_manifest_is_incomplete(saved, live):
-    root, _ = saved
+    root = saved.root
     republish(root, "no_manifest")
     (resolve(root, "no_manifest") / MANIFEST_FILE).unlink()
     assert_fails_closed(live, root, "no_manifest", "manifest")
 
 
 def test_unknown_format_version(saved, live):
-    root, _ = saved
+    root = saved.root
 
     def bump(out: Path) -> None:
         info = json.loads((out / C.INFO_FILE).read_text())
@@ -191,13 +236,13 @@ def test_unknown_format_version(saved, live):
 
 
 def test_not_a_training_checkpoint(saved, live):
-    root, _ = saved
+    root = saved.root
     republish(root, "no_info", edit=lambda out: (out / C.INFO_FILE).unlink())
     assert_fails_closed(live, root, "no_info", "checkpoint.json is missing")
 
 
 def test_other_expert_parallel_layout_rejects_optimizer_state(saved, live):
-    root, _ = saved
+    root = saved.root
 
     def other_layout(out: Path) -> None:
         info = json.loads((out / C.INFO_FILE).read_text())
@@ -210,7 +255,7 @@ def test_other_expert_parallel_layout_rejects_optimizer_state(saved, live):
 
 
 def test_pickle_payload_in_metadata_is_never_executed(saved, live, tmp_path):
-    root, _ = saved
+    root = saved.root
     marker = tmp_path / "pwned"
 
     class Payload:
@@ -226,8 +271,26 @@ def test_pickle_payload_in_metadata_is_never_executed(saved, live, tmp_path):
     assert not marker.exists()
 
 
+def test_dangerous_names_of_allowed_modules_are_refused(saved, live, tmp_path):
+    """The allow-list holds (module, name) pairs: another name of an allowed module
+    (``builtins.eval``, ``torch.save``, the metadata module's ``os``, ...) is refused,
+    never called, and the live run is unchanged."""
+    marker = tmp_path / "pwned"
+    allowed_modules = {module for module, _ in ALLOWED_GLOBALS}
+    for index, ((module, name), payload) in enumerate(dangerous_payloads(marker).items()):
+        assert module in allowed_modules and (module, name) not in ALLOWED_GLOBALS
+
+        def plant(out: Path, payload: bytes = payload) -> None:
+            (out / C.DCP_DIR / ".metadata").write_bytes(payload)
+
+        republish(saved.root, f"payload_{index}", edit=plant)
+        message = assert_fails_closed(live, saved.root, f"payload_{index}", "refusing to unpickle")
+        assert f"references {module}.{name}," in message, message
+        assert not marker.exists(), f"{module}.{name} ran: {marker} was created"
+
+
 def test_non_tensor_entry_in_dcp_is_refused(saved, live):
-    root, writer = saved
+    root, writer = saved.root, saved.writer
     tensors = tensors_of(writer)
     tensors[MODEL]["config_blob"] = {"an": "object"}
     republish(root, "bytes_entry", tensors)
@@ -235,7 +298,7 @@ def test_non_tensor_entry_in_dcp_is_refused(saved, live):
 
 
 def test_malformed_sampler_state(saved, live):
-    root, _ = saved
+    root = saved.root
 
     def break_sampler(out: Path) -> None:
         C.shared_json_path(out, SAMPLER).write_text(json.dumps({"epoch": "soon"}))
@@ -245,7 +308,7 @@ def test_malformed_sampler_state(saved, live):
 
 
 def test_config_that_changes_the_run_is_reported(saved, tmp_path):
-    root, _ = saved
+    root = saved.root
     other = build_trainer(tmp_path / "other", ["train.max_steps=7"])
     other.train_step()
     message = assert_fails_closed(other, root, GOOD, "different config")
@@ -281,7 +344,7 @@ def test_edited_training_data_is_reported(tmp_path):
 
 
 def test_unknown_name_and_escaping_reference(saved, live, tmp_path, monkeypatch):
-    root, _ = saved
+    root = saved.root
     assert_fails_closed(live, root, "no_such_checkpoint", "no_such_checkpoint")
     # Not a name, so a path: an explicit user path is allowed, but this is no checkpoint.
     not_a_checkpoint = tmp_path / "just_a_dir"
@@ -295,7 +358,7 @@ def test_unknown_name_and_escaping_reference(saved, live, tmp_path, monkeypatch)
 
 def test_load_into_a_fresh_run_skips_dcps_placeholder_step(saved, tmp_path):
     """No zero grads, no placeholder masters/moments: resume memory stays at training level."""
-    root, writer = saved
+    root, writer = saved.root, saved.writer
     fresh = build_trainer(tmp_path / "fresh")
     assert not fresh.optimizer.state
     steps: list[int] = []

@@ -1,6 +1,7 @@
 """Cross-rank agreement of training checkpoints, on 2 real FSDP2 gloo ranks.
 
-A fault injected on one rank in any phase (write, publish, validate, read, apply)
+A fault injected on one rank in any phase (gather, writer, write, publish; validate,
+read, apply, and apply after the first live write)
 makes every rank raise the same CheckpointError naming that rank, promptly; a failed
 save leaves the previous checkpoint published, a failed validate/read leaves the live
 run bitwise unchanged on every rank. All scenarios share one spawn.
@@ -27,8 +28,10 @@ from veoptim.checkpoint import latest_complete, step_name
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.errors import CheckpointError
 
-SAVE_FAULTS = {"write": 1, "before_manifest": 0, "before_replace": 0}
-LOAD_FAULTS = {"validate": 1, "read": 1, "apply": 1}
+#: phase -> the rank that fails there. gather/writer run before DCP's own collectives: a
+#: failure there must not leave the other rank waiting inside dcp.save.
+SAVE_FAULTS = {"gather": 1, "writer": 1, "write": 1, "before_manifest": 0, "before_replace": 0}
+LOAD_FAULTS = {"validate": 1, "read": 1, "apply": 1, "apply:model": 1}
 UNCHANGED_AFTER = ("validate", "read")
 
 
@@ -90,7 +93,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     "scenario", [f"save:{p}" for p in SAVE_FAULTS] + [f"load:{p}" for p in LOAD_FAULTS]
 )
 def test_fault_on_one_rank_raises_the_same_error_on_every_rank(ranks, scenario):
-    phase = scenario.split(":")[1]
+    phase = scenario.split(":", 1)[1]
     failing = SAVE_FAULTS.get(phase, LOAD_FAULTS.get(phase))
     errors = [r[scenario]["error"] for r in ranks]
     assert errors[0] is not None and errors[0] == errors[1], errors
@@ -101,6 +104,11 @@ def test_fault_on_one_rank_raises_the_same_error_on_every_rank(ranks, scenario):
 @pytest.mark.parametrize("phase", list(SAVE_FAULTS))
 def test_failed_save_keeps_the_previous_checkpoint_published(ranks, phase):
     assert all(r[f"save:{phase}"]["latest"] == step_name(1) for r in ranks)
+
+
+@pytest.mark.parametrize("phase", ["apply", "apply:model"])
+def test_failed_apply_says_the_live_state_is_invalid_on_every_rank(ranks, phase):
+    assert all("is not valid: this run must stop" in r[f"load:{phase}"]["error"] for r in ranks)
 
 
 @pytest.mark.parametrize("phase", UNCHANGED_AFTER)

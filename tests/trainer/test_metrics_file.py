@@ -31,7 +31,7 @@ def test_resume_drops_records_after_the_checkpoint_and_a_torn_line(tiny_override
 def test_fresh_run_in_a_used_run_dir_moves_the_old_metrics_aside(tiny_overrides, tmp_path, caplog):
     run_task(compose_sft(tiny_overrides))
     with caplog.at_level(logging.WARNING):
-        run_task(compose_sft(tiny_overrides + ["train.max_steps=2"]))
+        run_task(compose_sft(tiny_overrides + ["train.max_steps=2", "checkpoint.overwrite=true"]))
     run_dir = tmp_path / "run"
     assert _steps(run_dir / "metrics.jsonl") == [1, 2]
     (aside,) = run_dir.glob("metrics.jsonl.before-*")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -41,7 +42,7 @@ from veoptim.checkpoint.resolve import latest_complete, resolve_agreed
 from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 from veoptim.checkpoint.validate import check_components, check_info, read_json
 from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank, world_size
-from veoptim.errors import CheckpointError, ConfigError
+from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,10 @@ Components = Mapping[str, StateComponent]
 #: What a phase catches and turns into an agreed failure. DCP's CheckpointException
 #: derives from BaseException, so ``except Exception`` alone would let it escape.
 PHASE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
-PHASE_WRITE, PHASE_READ, PHASE_VALIDATE, PHASE_APPLY = "write", "read", "validate", "apply"
+PHASE_GATHER, PHASE_WRITER, PHASE_WRITE = "gather", "writer", "write"
+PHASE_READ, PHASE_VALIDATE, PHASE_APPLY = "read", "validate", "apply"
+#: DCP names its writer threads after their target function (``Thread-1 (<target>)``).
+_DCP_WRITER_TARGET = "_write_files_from_queue"
 #: DCP writer threads per rank: each writes its own shard file. Two measured 1.35x the
 #: save throughput of one on the development VM (docs/benchmarks.md).
 DEFAULT_WRITE_THREADS = 2
@@ -79,6 +83,7 @@ class Checkpointer:
             root, keep_last=keep_last, fsync=fsync, group=group, fault_hook=fault_hook
         )
         self._in_flight: tuple[PendingVersion, Future] | None = None
+        quiet_writer_threads()
 
     # ------------------------------------------------------------------ save
     def save(
@@ -88,21 +93,35 @@ class Checkpointer:
         *,
         step: int,
         layout: Mapping[str, Any] | None = None,
+        weights_only: bool = False,
         async_save: bool = False,
     ) -> Published | None:
         """Write and publish ``name``; with ``async_save`` publication happens in :meth:`wait`.
 
-        ``layout`` (JSON) describes the parallel layout the state was saved under.
+        ``layout`` (JSON) describes the parallel layout the state was saved under;
+        ``weights_only`` records that ``components`` are a weights-only subset of the run's
+        state (a "sampler" checkpoint), which a full resume refuses before reading anything.
+        Every stage ends in agreement: gathering, creating the writer, the DCP write (DCP
+        agrees itself), the JSON files, then the publisher's manifest, flush and point.
         """
         self.wait()
         for component_name in components:
             check_component_name(component_name)
         pending = self.publisher.begin(name, kind=KIND_CHECKPOINT, step=step)
-        states = {key: component.state() for key, component in components.items()}
+
+        def gather() -> dict[str, ComponentState]:
+            fire(self.fault_hook, PHASE_GATHER)
+            return {key: component.state() for key, component in components.items()}
+
+        def make_writer() -> FileSystemWriter:
+            fire(self.fault_hook, PHASE_WRITER)
+            return FileSystemWriter(
+                pending.path / C.DCP_DIR, sync_files=self.fsync, thread_count=self.write_threads
+            )
+
+        states = pending.run("gathering state", gather)
+        writer = pending.run("creating the writer", make_writer)
         tensors = {key: state.tensors for key, state in states.items() if state.tensors}
-        writer = FileSystemWriter(
-            pending.path / C.DCP_DIR, sync_files=self.fsync, thread_count=self.write_threads
-        )
         future: Future | None = None
         error: BaseException | None = None
         try:
@@ -116,7 +135,7 @@ class Checkpointer:
             error = readable(exc)
         if error is None:
             try:
-                self._write_json(states, pending.path, step, dict(layout or {}))
+                self._write_json(states, pending.path, step, dict(layout or {}), weights_only)
                 fire(self.fault_hook, PHASE_WRITE)
             except PHASE_ERRORS as exc:
                 error = exc
@@ -152,7 +171,12 @@ class Checkpointer:
         return pending.name
 
     def _write_json(
-        self, states: dict[str, ComponentState], path: Path, step: int, layout: dict[str, Any]
+        self,
+        states: dict[str, ComponentState],
+        path: Path,
+        step: int,
+        layout: dict[str, Any],
+        weights_only: bool,
     ) -> None:
         """Each component's JSON (rank 0 the shared ones, every rank its own), then, on rank 0,
         ``checkpoint.json`` describing them."""
@@ -179,19 +203,32 @@ class Checkpointer:
             C.INFO_STEP: step,
             C.INFO_WORLD_SIZE: world_size(self.group),
             C.INFO_LAYOUT: layout,
+            C.INFO_WEIGHTS_ONLY: weights_only,
             C.INFO_COMPONENTS: entries,
         }
         (path / C.INFO_FILE).write_text(json.dumps(info, indent=1))
 
     # ------------------------------------------------------------------ load
+    def latest(self) -> str | None:
+        """The newest complete checkpoint's name in the root (rank 0 looks; agreed)."""
+        found: str | None = None
+        outcome: bool | BaseException = True
+        if rank(self.group) == 0:
+            try:
+                found = latest_complete(self.root)
+            except Exception as exc:
+                outcome = exc
+        agree(outcome, f"listing the checkpoints in {self.root}", self.group)
+        return broadcast_from_rank0(found, self.group)
+
     def resolve(self, ref: str) -> Path | None:
         """The version directory of ``ref`` (``auto`` = newest complete checkpoint, a name or
         a path), resolved once on rank 0 and agreed; None for ``auto`` in an empty root."""
         if ref == "auto":
-            found = latest_complete(self.root) if rank(self.group) == 0 else None
-            ref = broadcast_from_rank0(found, self.group)
-            if ref is None:
+            latest = self.latest()
+            if latest is None:
                 return None
+            ref = latest
         return resolve_agreed(self.root, ref, self.group)
 
     def load(self, components: Components, path: Path, *, exact: bool = True) -> int:
@@ -220,11 +257,18 @@ class Checkpointer:
         outcome = True
         try:
             fire(self.fault_hook, PHASE_APPLY)
-            for loaded in staged.values():
+            for name, loaded in staged.items():
                 loaded.install()
+                fire(self.fault_hook, f"{PHASE_APPLY}:{name}")
         except PHASE_ERRORS as exc:
             outcome = exc
-        agree(outcome, f"applying checkpoint {path}", self.group)
+        try:
+            agree(outcome, f"applying checkpoint {path}", self.group)
+        except CheckpointError as exc:
+            raise LiveStateInvalidError(
+                f"{exc} The live state may now be partly loaded and is not valid: this run "
+                "must stop; start a new process and resume from a checkpoint."
+            ) from exc
         return step
 
     def _stage(
@@ -233,6 +277,12 @@ class Checkpointer:
         """Validate the whole checkpoint against the live components; allocate read buffers."""
         info = check_info(read_json(path / C.INFO_FILE), path)
         saved = info[C.INFO_COMPONENTS]
+        if exact and info.get(C.INFO_WEIGHTS_ONLY):
+            raise CheckpointError(
+                f"{path} is a weights-only checkpoint (it holds {', '.join(saved)}; written "
+                "with checkpoint.save_optimizer=false), so it cannot restore the whole run; "
+                "resume from it with checkpoint.load_optimizer=false."
+            )
         check_components(saved, components, path, exact=exact)
         dcp_dir = path / C.DCP_DIR
         metadata = read_dcp_metadata(dcp_dir)
@@ -292,12 +342,47 @@ def readable(error: BaseException) -> BaseException:
     if not isinstance(error, CheckpointException):
         return error
     causes = "; ".join(
-        f"rank {rank}: {type(cause).__name__}: {cause}"
+        f"rank {rank}: {_root_cause(cause)}"
         for rank, (cause, _trace) in sorted(error.failures.items())
     )
     readable_error = CheckpointError(f"DCP failed on {causes or 'an unknown rank'}")
     readable_error.__cause__ = error  # keep DCP's tracebacks for the logs
     return readable_error
+
+
+def quiet_writer_threads() -> None:
+    """Keep a failing DCP writer thread from printing its traceback before the agreed error.
+
+    DCP re-raises a writer thread's exception (e.g. ``ENOSPC``) from ``dcp.save`` or the
+    async save's future, where it becomes one readable ``CheckpointError``; the thread's
+    own traceback on stderr would only bury that line. Installed once per process (the
+    threads of an async save outlive ``save``); other threads' exceptions still print.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "veoptim_dcp_filter", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.thread is not None and _DCP_WRITER_TARGET in args.thread.name:
+            log.debug("DCP writer thread %s failed: %s", args.thread.name, args.exc_value)
+            return
+        previous(args)
+
+    hook.veoptim_dcp_filter = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
+def _root_cause(error: BaseException) -> str:
+    """The operating-system error behind ``error`` if there is one (a full disk surfaces in
+    DCP as a zip-writer ``RuntimeError`` whose context is the ``OSError``), else ``error``."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return f"{type(cause).__name__}: {cause}"
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(error).__name__}: {error}"
 
 
 def _quietly_wait(future: Future) -> None:

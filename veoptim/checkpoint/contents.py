@@ -35,6 +35,8 @@ INFO_FORMAT_VERSION = "format_version"
 INFO_STEP = "step"
 INFO_WORLD_SIZE = "world_size"
 INFO_LAYOUT = "layout"
+#: True for a weights-only ("sampler") checkpoint: a subset of the run's components.
+INFO_WEIGHTS_ONLY = "weights_only"
 INFO_COMPONENTS = "components"
 # per-component entry of checkpoint.json
 COMPONENT_TENSORS = "tensors"

@@ -225,6 +225,16 @@ class PendingVersion:
             self._retain(published)
         return published
 
+    def run(self, what: str, step: Callable[[], T]) -> T:
+        """A caller's stage of the write (gathering state, creating a writer, ...) on every
+        rank, ending in agreement: if any rank fails, the version is removed and every rank
+        raises the same ``CheckpointError``, so no rank goes on into a collective alone."""
+        try:
+            return self._agreed(f"checkpoint {self.name!r} {what}", step)  # type: ignore[return-value]
+        except CheckpointError:
+            self._finished = True
+            raise
+
     def commit(self) -> Published:
         return self.finish(None)
 

@@ -40,7 +40,9 @@ class RunConfig:
 class ModelConfig:
     name: str = opt("tiny_dense", "Label of the model preset (informational).")
     path: str = opt(
-        "", "Local Hugging Face model directory to load instead of building from config."
+        "",
+        "Local Hugging Face model directory to load instead of building from config "
+        "(required with model=hf_local; its tokenizer is used unless data.tokenizer_path is set).",
     )
     arch: str = opt("qwen2", "Architecture built from config: qwen2 | qwen2_moe | qwen3_moe.")
     hidden_size: int = opt(64, "Hidden size of the built model.")
@@ -48,13 +50,19 @@ class ModelConfig:
     num_hidden_layers: int = opt(2, "Number of decoder layers.")
     num_attention_heads: int = opt(4, "Attention heads.")
     num_key_value_heads: int = opt(2, "Key/value heads (grouped-query attention).")
-    max_position_embeddings: int = opt(512, "Longest position the model supports.")
+    max_position_embeddings: int = opt(
+        512, "Longest position the built model supports (model.path: its config.json's)."
+    )
     num_experts: int = opt(0, "Experts per MoE layer (MoE architectures only).")
     num_experts_per_tok: int = opt(2, "Experts each token is routed to (MoE only).")
     moe_intermediate_size: int = opt(64, "Intermediate size of each expert (MoE only).")
     dtype: str = opt("fp32", "Parameter dtype of the trained model: fp32 | bf16.")
     tie_word_embeddings: bool = opt(False, "Share input embedding and LM head weights.")
     init_seed: int = opt(1234, "Seed of the weight initialisation (independent of train.seed).")
+    attention_dropout: float = opt(
+        0.0,
+        "Attention dropout probability of a model built from config (model.path keeps its own).",
+    )
 
 
 @dataclass
@@ -62,9 +70,15 @@ class DataConfig:
     """What every task's data has; a task's own data section extends it."""
 
     tokenizer_path: str = opt(
-        "", "Tokenizer directory (AutoTokenizer); empty = the bundled tokenizer."
+        "",
+        "Tokenizer directory (AutoTokenizer); empty = model.path's tokenizer, or the bundled "
+        "one for a model built from config.",
     )
-    max_seq_len: int = opt(96, "Sequences are truncated (or packed) to this many tokens.")
+    max_seq_len: int = opt(
+        96,
+        "Sequences are truncated (or packed) to this many tokens (<= the model's "
+        "max_position_embeddings); the truncated share is logged at startup.",
+    )
 
 
 @dataclass
@@ -151,6 +165,19 @@ class CheckpointConfig:
     resume: str = opt("", "'' = fresh run; auto = newest complete checkpoint; or a name/path.")
     load_optimizer: bool = opt(
         True, "Restore optimizer and scheduler on resume (false = weights only)."
+    )
+    save_optimizer: bool = opt(
+        True,
+        "Save the whole run state (false = weights-only checkpoints: model and config only, "
+        "which a full resume refuses).",
+    )
+    save_on_signal: bool = opt(
+        True, "On SIGTERM/SIGINT: finish the step, save a checkpoint, exit non-zero."
+    )
+    overwrite: bool = opt(
+        False,
+        "Allow a fresh run (checkpoint.resume empty) in a run dir that already holds "
+        "checkpoints; their names are then re-pointed at the new run's versions.",
     )
     hf_export: HFExportConfig = field(default_factory=HFExportConfig)
 

@@ -44,7 +44,7 @@ def load_checkpoint_model(checkpoint: str | Path):
         cfg: TrainerConfig = OmegaConf.to_object(OmegaConf.merge(base, shared))
     except Exception as exc:
         raise CheckpointError(f"{config_file} is not a valid run config: {exc}.") from exc
-    tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+    tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
     special = {
         key: getattr(tokenizer, key)
         for key in ("pad_token_id", "bos_token_id", "eos_token_id")

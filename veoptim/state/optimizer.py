@@ -10,10 +10,12 @@ layout it was saved with (``LayoutMetadata.optimizer_compatible``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -29,10 +31,13 @@ from veoptim.checkpoint.component import (
 from veoptim.checkpoint.contents import INFO_LAYOUT
 from veoptim.distributed.layout import LayoutMetadata
 from veoptim.errors import CheckpointError
+from veoptim.optim import dcp_state_init
 from veoptim.optim.dtensor_util import local, wrap_like
 from veoptim.optim.state_check import expected_optimizer_state
 
 PARAM_GROUPS = "param_groups"
+#: Parameters the optimizer holds but keeps no state for (frozen before their first step).
+STATELESS = "stateless"
 Buffers = dict[str, dict[str, torch.Tensor]]
 
 
@@ -44,14 +49,19 @@ def trainable_named_params(
     return [(name, p) for name, p in model.named_parameters() if id(p) in held]
 
 
-def optimizer_inventory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Inventory:
-    """Specs of ``<fqn>.<state key>`` for the optimizer's full parameter inventory.
+def optimizer_inventory(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateless: Collection[str] = ()
+) -> Inventory:
+    """Specs of ``<fqn>.<state key>`` for the optimizer's full parameter inventory
+    (less the ``stateless`` parameters).
 
     The optimizer reports local shapes; a state tensor with the parameter's local
     shape is sharded like the parameter, so its global shape is the parameter's.
     """
     inventory: Inventory = {}
     for fqn, param in trainable_named_params(model, optimizer):
+        if fqn in stateless:
+            continue
         local_shape = param._local_tensor.shape if isinstance(param, DTensor) else param.shape
         for key, (shape, dtype) in expected_optimizer_state(optimizer, param).items():
             global_shape = param.shape if tuple(shape) == tuple(local_shape) else shape
@@ -68,11 +78,15 @@ def _state_device(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torc
     return placement(param, group)
 
 
-def optimizer_buffers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Buffers:
+def optimizer_buffers(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, stateless: Collection[str] = ()
+) -> Buffers:
     """``{fqn: {state key: empty tensor}}`` with the expected dtype, local shape and sharding
     (fresh buffers, never the live state)."""
     staging: Buffers = {}
     for fqn, param in trainable_named_params(model, optimizer):
+        if fqn in stateless:
+            continue
         device = _state_device(optimizer, param)
         entry = {}
         for key, (shape, dtype) in expected_optimizer_state(optimizer, param).items():
@@ -110,6 +124,20 @@ def _saved_groups(saved: SavedComponent, live_groups: int) -> list[dict[str, Any
     return groups
 
 
+def _saved_stateless(
+    saved: SavedComponent, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> set[str]:
+    """The saved stateless parameters, each one the optimizer holds."""
+    names = saved.json.get(STATELESS) if isinstance(saved.json, dict) else None
+    held = {fqn for fqn, _ in trainable_named_params(model, optimizer)}
+    if not isinstance(names, list) or not all(isinstance(n, str) and n in held for n in names):
+        raise CheckpointError(
+            f"the {STATELESS!r} list of {saved.name} in {saved.path} must name parameters this "
+            f"optimizer holds, found {names!r}."
+        )
+    return set(names)
+
+
 class OptimizerState:
     """The per-parameter state and param groups of ``optimizer`` over ``model``'s parameters.
 
@@ -123,10 +151,33 @@ class OptimizerState:
         self.model, self.optimizer, self.layout = model, optimizer, layout
 
     def state(self) -> ComponentState:
-        full = get_optimizer_state_dict(self.model, self.optimizer)
-        return ComponentState(
-            tensors=full["state"], json={PARAM_GROUPS: to_json_param_groups(full["param_groups"])}
-        )
+        """The state DCP gathers, checked against the inventory a load will expect, so only a
+        loadable checkpoint is ever written: every held parameter has its complete state, or
+        none at all (recorded as stateless; it gets fresh state on its first real gradient)."""
+        with dcp_state_init(self.optimizer):  # DCP's state-initialising step is no real step
+            full = get_optimizer_state_dict(self.model, self.optimizer)
+        state = full["state"]
+        held = [fqn for fqn, _ in trainable_named_params(self.model, self.optimizer)]
+        stateless = [fqn for fqn in held if not state.get(fqn)]
+        expected = optimizer_inventory(self.model, self.optimizer, stateless)
+        found = {
+            f"{fqn}.{key}": TensorSpec(tuple(value.shape), value.dtype)
+            for fqn, entry in state.items()
+            for key, value in entry.items()
+            if isinstance(value, torch.Tensor)
+        }
+        if found != expected:
+            problems = sorted(set(found) ^ set(expected)) or [
+                f"{k} ({found[k]} vs {expected[k]})"
+                for k in sorted(found)
+                if found[k] != expected[k]
+            ]
+            raise CheckpointError(
+                "the optimizer's state does not match what a load of it would expect (a "
+                f"checkpoint of it could not be restored): {', '.join(problems[:8])}."
+            )
+        groups = to_json_param_groups(full[PARAM_GROUPS])
+        return ComponentState(tensors=state, json={PARAM_GROUPS: groups, STATELESS: stateless})
 
     def stage(self, saved: SavedComponent) -> Staged:
         saved_layout = LayoutMetadata.from_json(saved.info.get(INFO_LAYOUT))
@@ -137,14 +188,17 @@ class OptimizerState:
                 "resume with checkpoint.load_optimizer=false to load the model weights only."
             )
         groups = _saved_groups(saved, len(self.optimizer.param_groups))
-        buffers = optimizer_buffers(self.model, self.optimizer)
+        stateless = _saved_stateless(saved, self.model, self.optimizer)
+        buffers = optimizer_buffers(self.model, self.optimizer, stateless)
         return Staged(
-            expected=optimizer_inventory(self.model, self.optimizer),
+            expected=optimizer_inventory(self.model, self.optimizer, stateless),
             buffers=buffers,
-            install=lambda: self._install(buffers, groups),
+            install=lambda: self._install(buffers, groups, strict=not stateless),
         )
 
-    def _install(self, buffers: Buffers, groups: list[dict[str, Any]]) -> None:
+    def _install(self, buffers: Buffers, groups: list[dict[str, Any]], *, strict: bool) -> None:
+        """``strict=False`` when some parameters were saved stateless: DCP would otherwise
+        refuse a trainable parameter without state (the inventory was checked exactly)."""
         optimizer = self.optimizer
         # A fresh optimizer has no state, so set_optimizer_state_dict would first run DCP's
         # zero-LR "init" step, allocating zero grads and placeholder masters/moments next to
@@ -153,11 +207,16 @@ class OptimizerState:
         seeded = not optimizer.state
         if seeded:
             for fqn, param in trainable_named_params(self.model, optimizer):
-                optimizer.state[param] = buffers[fqn]
+                if fqn in buffers:
+                    optimizer.state[param] = buffers[fqn]
         try:
-            set_optimizer_state_dict(
-                self.model, optimizer, {"state": buffers, PARAM_GROUPS: groups}
-            )
+            with dcp_state_init(optimizer):
+                set_optimizer_state_dict(
+                    self.model,
+                    optimizer,
+                    {"state": buffers, PARAM_GROUPS: groups},
+                    options=StateDictOptions(strict=strict),
+                )
         except BaseException:
             if seeded:
                 optimizer.state.clear()

@@ -30,13 +30,43 @@ def load_into_copy(obj: Stateful, saved: Any, where: str) -> None:
         raise CheckpointError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}.") from exc
 
 
-def same_keys(obj: Stateful, saved: Any, where: str) -> None:
+def _structure_problem(live: Any, saved: Any, where: str) -> str | None:
+    """Where ``saved`` differs from ``live`` in shape: keys, list lengths, value types."""
+    if isinstance(live, dict):
+        if not isinstance(saved, dict):
+            return f"{where}: expected a mapping, found {type(saved).__name__}"
+        if set(saved) != set(live):
+            return f"{where}: keys {sorted(saved)}, expected {sorted(live)}"
+        for key in live:
+            problem = _structure_problem(live[key], saved[key], f"{where}.{key}")
+            if problem:
+                return problem
+        return None
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, list) or len(saved) != len(live):
+            found = len(saved) if isinstance(saved, list) else type(saved).__name__
+            return f"{where}: expected a list of {len(live)}, found {found}"
+        for i, (a, b) in enumerate(zip(live, saved, strict=True)):
+            problem = _structure_problem(a, b, f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    if isinstance(live, bool) or isinstance(saved, bool) or live is None or saved is None:
+        fits = type(live) is type(saved)
+    elif isinstance(live, (int, float)):
+        fits = isinstance(saved, (int, float))  # JSON keeps no int/float distinction for us
+    else:
+        fits = type(live) is type(saved)
+    return None if fits else f"{where}: {saved!r} where a {type(live).__name__} is expected"
+
+
+def same_structure(obj: Stateful, saved: Any, where: str) -> None:
     """For objects too entangled to copy (an LR scheduler holds its optimizer): the saved
-    state must have exactly the live state's keys."""
-    live = obj.state_dict()
-    if not isinstance(saved, dict) or set(saved) != set(live):
-        found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
-        raise CheckpointError(f"{where} has keys {found}, expected {sorted(live)}.")
+    state must have the live state's structure — the same keys, list lengths (one entry
+    per param group) and value types — so installing it cannot fail half-way."""
+    problem = _structure_problem(obj.state_dict(), saved, "state")
+    if problem:
+        raise CheckpointError(f"{where} does not fit the live object: {problem}.")
 
 
 class JSONState:

@@ -13,6 +13,7 @@ from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import StateComponent
 from veoptim.config.schema import CheckpointConfig
 from veoptim.distributed import DistContext
+from veoptim.errors import ConfigError
 from veoptim.state import (
     CONFIG,
     LR_SCHEDULER,
@@ -28,7 +29,7 @@ from veoptim.state import (
     RunConfigState,
 )
 from veoptim.state.run_config import WEIGHTS_ONLY_MUST_MATCH
-from veoptim.state.stateful import same_keys
+from veoptim.state.stateful import same_structure
 
 if TYPE_CHECKING:
     from veoptim.trainer.trainer import Trainer
@@ -63,13 +64,47 @@ def standard_state(trainer: Trainer) -> dict[str, StateComponent]:
     return {
         MODEL: ModelState(trainer.model),
         OPTIMIZER: OptimizerState(trainer.model, trainer.optimizer, trainer.plan.layout_metadata()),
-        # An LR scheduler holds its optimizer, so a load is checked by keys, not a trial load.
-        LR_SCHEDULER: JSONState(trainer.scheduler, check=same_keys),
+        # An LR scheduler holds its optimizer: checked by structure, not by a trial load.
+        LR_SCHEDULER: JSONState(trainer.scheduler, check=same_structure),
         SAMPLER: JSONState(trainer.sampler),
         PROGRESS: JSONState(trainer.progress),
         RNG: RNGState(trainer.ctx.device, trainer.ctx.world_size),
         CONFIG: RunConfigState(trainer.config_dict),
     }
+
+
+def weights_state(trainer: Trainer) -> dict[str, StateComponent]:
+    """The components of a weights-only checkpoint: the model, and the config checked on a
+    load by the model keys only."""
+    return {
+        MODEL: trainer.state[MODEL],
+        CONFIG: RunConfigState(trainer.config_dict, WEIGHTS_ONLY_MUST_MATCH),
+    }
+
+
+def refuse_used_root(checkpointer: Checkpointer) -> None:
+    """A fresh run must not re-point the names of another run's checkpoints (agreed)."""
+    found = checkpointer.latest()
+    if found is not None:
+        raise ConfigError(
+            f"{checkpointer.root} already holds checkpoints (newest: {found}) and "
+            "checkpoint.resume is empty; continue that run with checkpoint.resume=auto, use "
+            "another run.dir (or checkpoint.root), or pass checkpoint.overwrite=true to start "
+            "over in it."
+        )
+
+
+def preempted_message(trainer: Trainer) -> str:
+    """What a preempted run tells the user: where it stopped and how to go on."""
+    step = trainer.progress.global_step
+    if trainer.cfg.checkpoint.save_on_signal:
+        saved = f"its checkpoint is in {trainer.checkpointer.root}"
+    else:
+        saved = "nothing was saved (checkpoint.save_on_signal=false)"
+    return (
+        f"stopped on SIGTERM/SIGINT after step {step}; {saved}. Continue with the same "
+        "command plus checkpoint.resume=auto."
+    )
 
 
 def load_checkpoint(trainer: Trainer, ref: str, *, load_optimizer: bool = True) -> Path | None:
@@ -90,11 +125,7 @@ def load_checkpoint(trainer: Trainer, ref: str, *, load_optimizer: bool = True) 
         step = trainer.checkpointer.load(trainer.state, path)
         what = ", ".join(trainer.state)
     else:
-        weights = {
-            MODEL: trainer.state[MODEL],
-            CONFIG: RunConfigState(trainer.config_dict, WEIGHTS_ONLY_MUST_MATCH),
-        }
-        step = trainer.checkpointer.load(weights, path, exact=False)
+        step = trainer.checkpointer.load(weights_state(trainer), path, exact=False)
         what = "model weights only (optimizer, scheduler and data position start fresh)"
     log.info("restored %s from %s (step %d)", what, path, step)
     return path

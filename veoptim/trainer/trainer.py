@@ -23,15 +23,25 @@ import torch
 from veoptim.checkpoint import Published, step_name
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import StateComponent, check_component_name
+from veoptim.config.launch import check_launch
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, load_tokenizer
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
-from veoptim.errors import CheckpointError, DataError
+from veoptim.errors import CheckpointError, DataError, LiveStateInvalidError, PreemptedError
 from veoptim.models import build_model
+from veoptim.models.build import check_model_fits
 from veoptim.optim import build_optimizer, build_scheduler
 from veoptim.trainer.callback import Callback, CallbackList, Metrics
-from veoptim.trainer.checkpointing import build_checkpointer, load_checkpoint, standard_state
+from veoptim.trainer.checkpointing import (
+    build_checkpointer,
+    load_checkpoint,
+    preempted_message,
+    refuse_used_root,
+    standard_state,
+    weights_state,
+)
 from veoptim.trainer.objective import MicroBatch, Objective
+from veoptim.trainer.preemption import PreemptionGuard
 from veoptim.trainer.progress import TrainerProgress
 
 log = logging.getLogger(__name__)
@@ -65,6 +75,11 @@ class Trainer:
     #: The checkpoint version this run resumed from (None: a fresh start).
     resumed_from: Path | None = None
     should_stop: bool = False
+    #: Every rank agreed to stop after this step because some rank got SIGTERM/SIGINT.
+    preempted: bool = False
+    #: Set when applying a checkpoint failed after live state was written: no more steps.
+    state_invalid: bool = False
+    _preemption: PreemptionGuard | None = None
 
     @classmethod
     def from_config(
@@ -73,7 +88,9 @@ class Trainer:
         """Build tokenizer, objective, model (with its parallel plan), optimizer, scheduler,
         sampler and checkpointer, and register the standard state components."""
         seed_everything(cfg.train.seed)
-        tokenizer = load_tokenizer(cfg.data.tokenizer_path)
+        check_launch(cfg.parallel, ctx.world_size)  # a multi-rank config in one process
+        tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
+        check_model_fits(cfg.model, len(tokenizer), cfg.data.max_seq_len, tokenizer.name_or_path)
         objective = cfg.build_objective(tokenizer)
         special = {
             key: getattr(tokenizer, key)
@@ -137,26 +154,37 @@ class Trainer:
         return self.cfg.train.stop_at_step or self.cfg.train.max_steps
 
     def resume(self) -> None:
-        """Restore ``checkpoint.resume`` (if set) into the live state, before any callback."""
-        if self.cfg.checkpoint.resume:
-            self.resumed_from = self.load_checkpoint(
-                self.cfg.checkpoint.resume, load_optimizer=self.cfg.checkpoint.load_optimizer
-            )
+        """Restore ``checkpoint.resume`` (if set) into the live state, before any callback.
+
+        A fresh run refuses a checkpoint root that already holds checkpoints (their names
+        would be re-pointed and retention could delete them) unless ``checkpoint.overwrite``.
+        """
+        cfg = self.cfg.checkpoint
+        if cfg.resume:
+            self.resumed_from = self.load_checkpoint(cfg.resume, load_optimizer=cfg.load_optimizer)
+        elif not cfg.overwrite:
+            refuse_used_root(self.checkpointer)
 
     def load_checkpoint(self, ref: str, *, load_optimizer: bool = True) -> Path | None:
         """Load ``ref`` (``auto``, a name or a path) into every state component, or only the
         weights; returns the version loaded (None: ``auto`` found no checkpoint)."""
-        return load_checkpoint(self, ref, load_optimizer=load_optimizer)
+        try:
+            return load_checkpoint(self, ref, load_optimizer=load_optimizer)
+        except LiveStateInvalidError:
+            self.state_invalid = True
+            raise
 
     def save_checkpoint(self, name: str = "", *, async_save: bool = False) -> Published | None:
         """Save every state component as ``name`` (default ``step_<global step>``); with
         ``async_save`` it is published by the checkpointer's next ``wait``."""
         step = self.progress.global_step
+        full = self.cfg.checkpoint.save_optimizer
         return self.checkpointer.save(
-            self.state,
+            self.state if full else weights_state(self),
             name or step_name(step),
             step=step,
             layout=self.plan.layout_metadata().to_json(),
+            weights_only=not full,
             async_save=async_save,
         )
 
@@ -164,20 +192,25 @@ class Trainer:
         """Resume if asked, then run until ``last_step`` (or until a callback sets ``should_stop``)."""
         self.resume()
         self.model.train()
-        try:
-            self.callbacks.call("on_train_begin", self)
-            while self.progress.global_step < self.last_step and not self.should_stop:
-                if self.sampler.step_in_epoch == 0:
-                    self.callbacks.call("on_epoch_begin", self)
-                self.callbacks.call("on_step_begin", self)
-                metrics = self.train_step()
-                self.callbacks.call("on_step_end", self, metrics)
-                if self.sampler.step_in_epoch == 0:  # the step finished an epoch
-                    self.callbacks.call("on_epoch_end", self)
-            self.callbacks.call("on_train_end", self)
-        except BaseException as error:
-            self.callbacks.call("on_exception", self, error)
-            raise
+        with PreemptionGuard() as self._preemption:
+            try:
+                self.callbacks.call("on_train_begin", self)
+                while self.progress.global_step < self.last_step and not self.should_stop:
+                    if self.sampler.step_in_epoch == 0:
+                        self.callbacks.call("on_epoch_begin", self)
+                    self.callbacks.call("on_step_begin", self)
+                    metrics = self.train_step()
+                    self.callbacks.call("on_step_end", self, metrics)
+                    if self.sampler.step_in_epoch == 0:  # the step finished an epoch
+                        self.callbacks.call("on_epoch_end", self)
+                self.callbacks.call("on_train_end", self)
+            except BaseException as error:
+                self.callbacks.call("on_exception", self, error)
+                raise
+            finally:
+                self._preemption = None
+        if self.preempted:
+            raise PreemptedError(preempted_message(self))
         return self.progress
 
     def next_batch(self) -> list[MicroBatch]:
@@ -186,6 +219,11 @@ class Trainer:
 
     def train_step(self) -> Metrics:
         """One optimizer step over the global batch; returns globally reduced metrics."""
+        if self.state_invalid:
+            raise CheckpointError(
+                "a failed checkpoint load left the live state partly written; this trainer "
+                "cannot train any more: start a new process and resume from a checkpoint."
+            )
         start = time.perf_counter()
         epoch = self.sampler.epoch
         micro_batches = self.next_batch()
@@ -216,7 +254,12 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        global_loss = self.plan.all_reduce_sum(loss_sum)
+        # The step's last all-reduce also agrees on a stop signal any rank received.
+        signalled = float(self._preemption.requested) if self._preemption else 0.0
+        stop_signal = torch.tensor(signalled, device=self.ctx.device)
+        global_loss, signals = self.plan.all_reduce_sum(torch.stack([loss_sum, stop_signal]))
+        if signals > 0:
+            self.preempted = self.should_stop = True
         self.progress.global_step += 1
         self.progress.tokens_seen += int(global_tokens)
         elapsed = time.perf_counter() - start

@@ -1,0 +1,56 @@
+"""SIGTERM / SIGINT during training: finish the step, agree across ranks, save, stop.
+
+Schedulers and ``torchrun`` signal every rank before a kill, but not at the same
+instant: a rank only *notes* the signal, and the trainer folds the note into the
+all-reduce that ends every step, so all ranks stop after the same step. A second
+signal exits the process at once (exit code 128 + signal number) without touching
+published checkpoints: an unpublished version left behind is cleaned up by the next
+save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType, TracebackType
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class PreemptionGuard:
+    """Installs the handlers for the duration of training (main thread only) and restores
+    the previous ones; ``requested`` is the signal number received, or 0."""
+
+    def __init__(self) -> None:
+        self.requested = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            os.write(2, f"second {signal.Signals(signum).name}: exiting now\n".encode())
+            os._exit(128 + signum)
+        self.requested = signum
+        log.warning(
+            "%s received: finishing the current step, then saving and stopping "
+            "(send it again to exit at once)", signal.Signals(signum).name,
+        )  # fmt: skip
