@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) -m tasks.sft
+	$(PY) -m tasks.sft checkpoint.overwrite=true
 
 test: setup lint
 	$(PY) -m pytest -q
