@@ -1,5 +1,6 @@
 # The two commands a newcomer runs (each creates .venv on first use):
-#   make demo   - set up, then a short SFT run of the bundled tiny model on CPU
+#   make demo   - set up, then a short SFT run of the bundled tiny model on CPU and its
+#                 greedy answers to held-out prompts
 #   make test   - set up, then lint and the whole test suite on CPU
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,6 +20,7 @@ setup: $(VENV)/.installed
 
 demo: setup
 	$(PY) -m tasks.sft checkpoint.overwrite=true
+	$(PY) -m scripts.demo_generate runs/sft/exports/hf_final
 
 test: setup lint
 	$(PY) -m pytest -q

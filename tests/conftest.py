@@ -33,5 +33,5 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
         "train.micro_batch_size=2",
         "scheduler.warmup_steps=1",
         "logging.progress=false",
-        "checkpoint.hf_export.enabled=false",
+        "export.hf=false",
     ]

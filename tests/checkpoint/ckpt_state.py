@@ -22,7 +22,7 @@ TINY = [
     "train.micro_batch_size=2",
     "scheduler.warmup_steps=1",
     "logging.progress=false",
-    "checkpoint.hf_export.enabled=false",
+    "export.hf=false",
     "optim=full_fp32_adamw",
     "model.dtype=bf16",
 ]

@@ -42,16 +42,16 @@ def test_plus_added_unknown_key_is_rejected_with_the_closest_known_key():
 def test_every_unknown_key_is_named_at_any_depth():
     from veoptim.config.keys import unknown_keys
 
-    cfg = compose_sft(["+lr=1e-3", "+checkpoint.hf_export.dtpye=fp32", "+train.extra.deep=1"])
+    cfg = compose_sft(["+lr=1e-3", "+export.dtpye=fp32", "+train.extra.deep=1"])
     assert sorted(key for key, _ in unknown_keys(cfg)) == [
-        "checkpoint.hf_export.dtpye",
+        "export.dtpye",
         "lr",
         "train.extra",
     ]
     with pytest.raises(ConfigError) as info:
         to_config(cfg)
     message = str(info.value)
-    assert "did you mean checkpoint.hf_export.dtype?" in message
+    assert "did you mean export.dtype?" in message
     assert "lr: did you mean optim.lr?" in message
 
 

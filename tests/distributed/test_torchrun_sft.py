@@ -26,7 +26,7 @@ COMMON = [
     "train.micro_batch_size=2",
     "scheduler.warmup_steps=1",
     "logging.progress=false",
-    "checkpoint.hf_export.enabled=false",
+    "export.hf=false",
     "checkpoint.save_at_end=false",
     "parallel.param_dtype=fp32",
 ]

@@ -39,7 +39,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cmd = [sys.executable, "-m", "tasks.sft", "-m", "optim.lr=1e-3,3e-3", f"run.dir={sweep_dir}",
            "run.device=cpu", "train.max_steps=6", "scheduler.warmup_steps=0",
            "train.global_batch_size=4", "train.micro_batch_size=4", "logging.progress=false",
-           "checkpoint.hf_export.enabled=false", "checkpoint.save_at_end=false"]  # fmt: skip
+           "export.hf=false", "checkpoint.save_at_end=false"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep_dir

@@ -28,7 +28,7 @@ COMMON = [
     "train.micro_batch_size=1",
     "scheduler.warmup_steps=1",
     "logging.progress=false",
-    "checkpoint.hf_export.enabled=false",
+    "export.hf=false",
     "checkpoint.fsync=false",
 ]
 

@@ -210,7 +210,7 @@ def _every_token_trainer(run_dir: Path, *, stop: int = 0, resume: str = "") -> T
     cfg.train.max_steps, cfg.train.stop_at_step = 4, stop
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 2
     cfg.optim.name, cfg.model.dtype = "full_fp32_adamw", "bf16"
-    cfg.logging.progress, cfg.checkpoint.hf_export.enabled = False, False
+    cfg.logging.progress, cfg.export.hf = False, False
     cfg.checkpoint.fsync, cfg.checkpoint.resume = False, resume
     validate_config(cfg)
     ctx = init_distributed("cpu", "auto", {})

@@ -33,7 +33,7 @@ def test_short_run_loss_falls(tmp_path):
                 "run.device=cpu",
                 "train.max_steps=40",
                 "logging.progress=false",
-                "checkpoint.hf_export.enabled=false",
+                "export.hf=false",
             ]
         )
     )
@@ -156,7 +156,7 @@ def test_multirun_sweep_writes_one_run_per_value_inside_run_dir(tmp_path):
             "train.global_batch_size=4",
             "train.micro_batch_size=4",
             "logging.progress=false",
-            "checkpoint.hf_export.enabled=false",
+            "export.hf=false",
         ],
         cwd=tmp_path,
     )

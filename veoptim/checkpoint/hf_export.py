@@ -1,19 +1,31 @@
-"""Hugging Face export: ``model.safetensors`` (sharded with an index above a size), config, tokenizer.
+"""Hugging Face export: safetensors weights (sharded with an index above a size), config,
+generation config and tokenizer, all world-readable.
 
 The directory loads with ``AutoModelForCausalLM.from_pretrained`` without any
 conversion. This module only fills a directory; callers publish it atomically
-through the checkpoint publisher, like every other writer.
+through the checkpoint publisher, like every other writer. The live export
+(``callbacks/hf_export.py``) and the offline one (``veoptim.export``) both call
+``write_hf_export`` with the same inputs, so they write the same bytes.
+
+Weights go through ``huggingface_hub.save_torch_state_dict``: it plans the shards
+(``max_shard_size`` in bytes; a tensor larger than that gets a shard of its own), writes
+``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` plus the index into the
+directory we give it, and drops aliased tensors by name (``shared_tensors_to_discard``:
+we pass the model's tied keys, as ``transformers`` does, and alias them first, because a
+dtype cast or a DCP read unties them).
 """
 
 from __future__ import annotations
 
-import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from huggingface_hub import save_torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import GenerationConfig
 
 from veoptim.dtypes import DTYPES
 from veoptim.errors import ConfigError
@@ -21,8 +33,10 @@ from veoptim.errors import ConfigError
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 SHARD_FILE_PATTERN = "model-{index:05d}-of-{total:05d}.safetensors"
+GENERATION_CONFIG_FILE = "generation_config.json"
 KIND_HF_EXPORT = "hf_export"  # manifest kind: never picked by resume=auto
 EXPORT_DTYPES: dict[str, torch.dtype | None] = {**DTYPES, "preserve": None}
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -31,70 +45,118 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def _cast(state: dict[str, torch.Tensor], dtype_name: str) -> dict[str, torch.Tensor]:
-    if dtype_name not in EXPORT_DTYPES:
-        raise ConfigError(
-            f"checkpoint.hf_export.dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype_name!r}."
-        )
-    dtype = EXPORT_DTYPES[dtype_name]
+def tied_weight_keys(model: torch.nn.Module) -> dict[str, str]:
+    """``{tied key: the key it shares}`` of a ``transformers`` model (empty when untied)."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return {str(target): str(source) for target, source in dict(tied).items()}
+
+
+def architecture_name(model: torch.nn.Module) -> str:
+    """The ``transformers`` class of ``model`` (FSDP2 wraps it in a generated subclass)."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("transformers."):
+            return cls.__name__
+    return type(model).__name__
+
+
+def export_dtype(name: str) -> torch.dtype | None:
+    """The dtype of ``export.dtype`` (None = keep each tensor's own)."""
+    if name not in EXPORT_DTYPES:
+        raise ConfigError(f"export.dtype must be one of {sorted(EXPORT_DTYPES)}, got {name!r}.")
+    return EXPORT_DTYPES[name]
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Cast tensor by tensor, popping each source from ``state``: the host then holds about
+    one full model (the source, shrinking, plus the casts), never two."""
     out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for key, tensor in state.items():
+    for key in list(state):
+        tensor = state.pop(key)
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        tensor = tensor.contiguous()
-        if (
-            tensor.untyped_storage().data_ptr() in seen
-        ):  # tied weights: safetensors wants no aliasing
-            tensor = tensor.clone()
-        seen.add(tensor.untyped_storage().data_ptr())
-        out[key] = tensor
+        out[key] = tensor.contiguous()
+        del tensor
     return out
 
 
-def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += nbytes
-    return shards
+def _alias_tied(tensors: dict[str, torch.Tensor], tied: Mapping[str, str]) -> list[str]:
+    """Point each tied key at the tensor it shares (equal values only); return those keys."""
+    aliased = []
+    for target, source in tied.items():
+        a, b = tensors.get(target), tensors.get(source)
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+            continue
+        if a.data_ptr() == b.data_ptr() or torch.equal(a, b):
+            tensors[target] = b
+            aliased.append(target)
+    return aliased
+
+
+def generation_config(model_config: Any, tokenizer: Any) -> GenerationConfig:
+    """The model's generation defaults, with the tokenizer's special token ids."""
+    config = GenerationConfig.from_model_config(model_config)
+    for key in _SPECIAL_IDS:
+        value = getattr(tokenizer, key, None)
+        if value is not None:
+            setattr(config, key, value)
+    return config
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (other threads may be creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc: the classic read, briefly setting a common value
+    os.umask(mask)
+    return mask
+
+
+def make_readable(out_dir: Path) -> None:
+    """Give every file the mode a plain ``open`` would (0644 under umask 022): the
+    safetensors writer creates a 0600 temporary file and renames it into place."""
+    mode = 0o666 & ~_umask()
+    for path in sorted(out_dir.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def write_hf_export(
     state: dict[str, torch.Tensor],
-    model_config: Any,
+    model: torch.nn.Module,
     tokenizer: Any,
     out_dir: Path,
     dtype: str = "bf16",
     max_shard_size_mb: int = 2048,
 ) -> list[Path]:
-    """Write ``state`` (a full state dict) as an HF model directory; returns the files written."""
+    """Write ``state`` (a full state dict of ``model``) as an HF model directory.
+
+    ``state`` is consumed (emptied) so the host never holds two copies of the model;
+    ``model`` (live, sharded or on meta) supplies the config, class name and tied keys.
+    Returns the files written.
+    """
+    target = export_dtype(dtype)
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = _cast(state, dtype)
-    shards = _shards(tensors, max_shard_size_mb * 1024 * 1024)
-    written: list[Path] = []
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / SAFETENSORS_FILE), metadata={"format": "pt"})
-        written.append(out_dir / SAFETENSORS_FILE)
-    else:
-        weight_map: dict[str, str] = {}
-        for i, shard in enumerate(shards, start=1):
-            name = SHARD_FILE_PATTERN.format(index=i, total=len(shards))
-            save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-            written.append(out_dir / name)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / SAFETENSORS_INDEX_FILE).write_text(json.dumps(index, indent=2))
-        written.append(out_dir / SAFETENSORS_INDEX_FILE)
-    config = model_config.__class__.from_dict(model_config.to_dict())
-    if EXPORT_DTYPES[dtype] is not None:
-        config.dtype = EXPORT_DTYPES[dtype]
+    tensors = _cast(state, target)
+    discard = _alias_tied(tensors, tied_weight_keys(model))
+    floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    save_torch_state_dict(
+        tensors,
+        out_dir,
+        max_shard_size=max_shard_size_mb * 1024 * 1024,
+        shared_tensors_to_discard=discard,
+    )
+    del tensors
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.architectures = [architecture_name(model)]
+    if target is not None or floating:
+        config.dtype = target if target is not None else floating[0]
     config.save_pretrained(out_dir)
+    generation_config(config, tokenizer).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return written
+    make_readable(out_dir)
+    return sorted(p for p in out_dir.rglob("*") if p.is_file())

@@ -64,10 +64,12 @@ def _all_keys(node: DictConfig | ListConfig, prefix: str = "") -> list[str]:
 def _suggestion(key: str, known: list[str], every_key: list[str]) -> str:
     """' (did you mean optim.lr?)' for the closest known key, or the keys at that level."""
     parent, _, leaf = _INDEX.sub("", key).rpartition(".")
+    leaves = {k.rpartition(".")[2]: k for k in every_key}
+    if leaf in leaves and leaf not in known:  # the right name in another section (+lr=...)
+        return f"did you mean {leaves[leaf]}?"
     close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
     if close:
         return f"did you mean {parent + '.' if parent else ''}{close[0]}?"
-    leaves = {k.rpartition(".")[2]: k for k in every_key}
     close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
     if close:
         return f"did you mean {leaves[close[0]]}?"

@@ -134,6 +134,23 @@ class SchedulerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    enabled: bool = opt(False, "Train low-rank adapters on a frozen base instead of all weights.")
+    r: int = opt(8, "Adapter rank.")
+    alpha: float = opt(16.0, "Scaling numerator: the update is scaled by alpha / r.")
+    dropout: float = opt(0.0, "Dropout on the adapter's input (the base path has none).")
+    use_rslora: bool = opt(False, "Rank-stabilised scaling alpha / sqrt(r) instead of alpha / r.")
+    target_modules: list[str] = opt(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Linear layers to adapt, by name: a module matches when its name is one of these or "
+        "ends with '.<name>'.",
+    )
+    target_regex: str = opt(
+        "", "Instead of target_modules: a regex that must fullmatch a Linear's full name."
+    )
+
+
+@dataclass
 class ParallelConfig:
     dp_replicate: int = opt(1, "Replicated data-parallel degree (HSDP outer dim).")
     dp_shard: int = opt(-1, "FSDP2 sharding degree; -1 fills the rest of the world size.")
@@ -141,13 +158,6 @@ class ParallelConfig:
     param_dtype: str = opt("bf16", "FSDP2 MixedPrecisionPolicy compute dtype: bf16 | fp32.")
     reduce_dtype: str = opt("fp32", "FSDP2 gradient reduce dtype: fp32 | bf16.")
     backend: str = opt("auto", "Process-group backend: auto | gloo | nccl | hccl.")
-
-
-@dataclass
-class HFExportConfig:
-    enabled: bool = opt(True, "Write a Hugging Face export at the end of training.")
-    dtype: str = opt("bf16", "Export dtype: bf16 | fp32 | preserve.")
-    max_shard_size_mb: int = opt(2048, "Shard model.safetensors above this size (MiB).")
 
 
 @dataclass
@@ -179,7 +189,23 @@ class CheckpointConfig:
         "Allow a fresh run (checkpoint.resume empty) in a run dir that already holds "
         "checkpoints; their names are then re-pointed at the new run's versions.",
     )
-    hf_export: HFExportConfig = field(default_factory=HFExportConfig)
+
+
+@dataclass
+class ExportConfig:
+    """Model exports of a run, published in <run.dir>/exports (see docs/exports.md)."""
+
+    hf: bool = opt(True, "Write Hugging Face exports (hf_final at train.max_steps).")
+    every_steps: int = opt(
+        0, "Also export hf_step_<8 digits> every N optimizer steps (0 = only at the end)."
+    )
+    dtype: str = opt("bf16", "Export dtype: bf16 | fp32 | preserve.")
+    max_shard_size_mb: int = opt(
+        2048, "Shard model.safetensors above this size (MiB; 0 = one tensor per shard)."
+    )
+    merge_lora: bool = opt(
+        False, "LoRA runs: export the merged full model instead of the PEFT adapter directory."
+    )
 
 
 @dataclass
@@ -214,7 +240,9 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def build_objective(self, tokenizer: Any) -> Any:

@@ -16,7 +16,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.param_dtype": tuple(DTYPES),
     "parallel.reduce_dtype": tuple(DTYPES),
     "parallel.backend": ("auto", "gloo", "nccl", "hccl"),
-    "checkpoint.hf_export.dtype": (*DTYPES, "preserve"),
+    "export.dtype": (*DTYPES, "preserve"),
     "logging.wandb.mode": ("disabled", "offline", "online"),
 }
 
@@ -39,6 +39,8 @@ NON_NEGATIVE: tuple[str, ...] = (
     "checkpoint.save_steps",
     "checkpoint.save_epochs",
     "checkpoint.keep_last",
+    "export.every_steps",
+    "export.max_shard_size_mb",
     "scheduler.warmup_steps",
     "optim.lr",
     "optim.weight_decay",

@@ -25,7 +25,7 @@ COMMON = [
     "optim.weight_decay=0.1",
     "logging.progress=false",
     "logging.level=WARNING",
-    "checkpoint.hf_export.enabled=false",
+    "export.hf=false",
     "checkpoint.fsync=false",
 ]
 RELOADED = "reloaded"

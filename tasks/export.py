@@ -1,0 +1,68 @@
+"""Export a training checkpoint as a Hugging Face model directory, without a training job.
+
+    veoptim-export runs/sft/checkpoints/step_00000500 --out runs/sft/exports --name hf_step_500
+    python -m tasks.export CHECKPOINT --out ROOT --name NAME [--format hf|peft|merged]
+        [--dtype bf16|fp32|preserve] [--max-shard-size-mb N]
+
+The checkpoint (a name link such as <run>/checkpoints/step_00000500, or a version
+directory) may come from any world size or expert-parallel layout. The result is
+published atomically as <out>/<name> (kind hf_export) and loads with
+AutoModelForCausalLM.from_pretrained. Errors are one line on stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from veoptim.errors import VeoptimError
+from veoptim.export import FORMATS, ExportOptions, export_checkpoint
+
+DTYPE_CHOICES = ("bf16", "fp32", "preserve")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (exit status 2 on a usage error, like every other error)."""
+    p = argparse.ArgumentParser(
+        prog="veoptim-export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="checkpoint name link or version directory")
+    p.add_argument("--out", required=True, help="export root (created if missing)")
+    p.add_argument("--name", required=True, help="export name inside --out, e.g. hf_step_500")
+    p.add_argument(
+        "--format",
+        default="hf",
+        choices=FORMATS,
+        help="hf: full model; peft: LoRA adapter directory; merged: LoRA merged into the model",
+    )
+    p.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES)
+    p.add_argument("--max-shard-size-mb", type=int, default=2048)
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync (scratch exports only)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the export; 0 on success, 2 with a one-line error otherwise."""
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    options = ExportOptions(dtype=args.dtype, max_shard_size_mb=args.max_shard_size_mb)
+    if args.max_shard_size_mb < 0:
+        print("error: --max-shard-size-mb must be >= 0.", file=sys.stderr)
+        return 2
+    try:
+        published = export_checkpoint(
+            args.checkpoint, args.out, args.name,
+            fmt=args.format, options=options, fsync=not args.no_fsync,
+        )  # fmt: skip
+    except VeoptimError as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    print(f"wrote {published.path} as {args.out}/{args.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

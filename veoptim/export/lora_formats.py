@@ -1,0 +1,121 @@
+"""LoRA exports: the PEFT adapter directory (with its base exported once beside it) and the
+merged full model; used by the end-of-run callback and by ``veoptim-export`` alike.
+
+A LoRA checkpoint holds the adapters and a fingerprint of the frozen base, not the base.
+Offline, the base is rebuilt (from ``model.path``, or from config with ``model.init_seed``),
+checked against the fingerprint, and the adapters are read into it from DCP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from veoptim.checkpoint import contents as C
+from veoptim.checkpoint.hf_export import KIND_HF_EXPORT, make_readable, write_hf_export
+from veoptim.checkpoint.publish import Publisher
+from veoptim.checkpoint.resolve import read_link
+from veoptim.checkpoint.validate import read_json
+from veoptim.config.schema import TrainerConfig
+from veoptim.errors import CheckpointError
+from veoptim.export.source import CheckpointSource, read_model_tensors
+from veoptim.lora import apply_lora
+from veoptim.lora.peft_format import (
+    adapter_config,
+    base_state,
+    merged_state,
+    peft_adapter_state,
+    write_peft_adapter,
+)
+from veoptim.lora.state import BASE, base_fingerprint
+from veoptim.models import build_model
+from veoptim.state import MODEL
+from veoptim.state.model import module_inventory
+
+#: The base model exported once beside the adapters of a run whose base was built from config.
+BASE_EXPORT = "hf_base"
+
+
+def base_reference(cfg: TrainerConfig, exports_root: Path) -> str:
+    """What ``base_model_name_or_path`` names: ``model.path``, or the exported base."""
+    return (
+        str(Path(cfg.model.path).resolve())
+        if cfg.model.path
+        else str((exports_root / BASE_EXPORT).absolute())
+    )
+
+
+def needs_base_export(cfg: TrainerConfig, exports_root: Path) -> bool:
+    """A base built from config has no directory yet: export it once (rank 0 looks)."""
+    return not cfg.model.path and read_link(exports_root, BASE_EXPORT) is None
+
+
+def publish_base(
+    state: dict[str, torch.Tensor], model: nn.Module, tokenizer: Any, root: Path, *,
+    step: int, dtype: str, max_shard_size_mb: int, fsync: bool, is_main: bool = True,
+) -> None:  # fmt: skip
+    """Publish the frozen base (``state`` with the base's own key names) as ``hf_base``."""
+    with Publisher(root, fsync=fsync).write(BASE_EXPORT, kind=KIND_HF_EXPORT, step=step,
+                                            prunable=False) as out:  # fmt: skip
+        if is_main:
+            write_hf_export(
+                state, model, tokenizer, out, dtype=dtype, max_shard_size_mb=max_shard_size_mb
+            )
+
+
+def write_adapter_dir(
+    out: Path, adapter: dict[str, torch.Tensor], cfg: TrainerConfig, model: nn.Module, base_ref: str
+) -> None:
+    """The PEFT adapter directory of ``model``'s adapters (rank 0)."""
+    write_peft_adapter(out, adapter, adapter_config(cfg.lora, model, base_ref))
+    make_readable(out)
+
+
+# ------------------------------------------------------------------ offline (the CLI)
+def lora_model(source: CheckpointSource) -> nn.Module:
+    """The base with real weights, checked against the checkpoint's fingerprint, plus the
+    adapters read from DCP."""
+    cfg = source.cfg
+    special = {
+        key: getattr(source.tokenizer, key)
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id")
+        if getattr(source.tokenizer, key, None) is not None
+    }
+    model = build_model(cfg.model, len(source.tokenizer), special)
+    saved = read_json(C.shared_json_path(source.version, MODEL))
+    live = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
+    if not isinstance(saved, dict) or saved.get(BASE) != live:
+        raise CheckpointError(
+            f"the base rebuilt for {source.version} does not match the one its adapters were "
+            f"trained on (saved {saved.get(BASE) if isinstance(saved, dict) else saved}, rebuilt "
+            f"{live}); is model.path still the same model?"
+        )
+    apply_lora(model, cfg.lora, seed=cfg.model.init_seed)
+    trainable = {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+    adapters = read_model_tensors(source, module_inventory(trainable))
+    model.load_state_dict(adapters, strict=False)
+    return model.eval()
+
+
+def write_peft(source: CheckpointSource, out_dir: Path, options: Any) -> None:
+    """``--format peft``: the adapter directory; a base built from config is exported once
+    as ``<out>/hf_base`` beside it (before the adapter is published)."""
+    model = lora_model(source)
+    root = out_dir.parent.parent  # <root>/.versions/<version>
+    if needs_base_export(source.cfg, root):
+        publish_base(base_state(model), model, source.tokenizer, root, step=source.step,
+                     dtype=options.dtype, max_shard_size_mb=options.max_shard_size_mb,
+                     fsync=True)  # fmt: skip
+    write_adapter_dir(
+        out_dir, peft_adapter_state(model), source.cfg, model, base_reference(source.cfg, root)
+    )
+
+
+def write_merged(source: CheckpointSource, out_dir: Path, options: Any) -> None:
+    """``--format merged``: the full model with the adapters folded in."""
+    model = lora_model(source)
+    write_hf_export(merged_state(model), model, source.tokenizer, out_dir, dtype=options.dtype,
+                    max_shard_size_mb=options.max_shard_size_mb)  # fmt: skip

@@ -1,0 +1,148 @@
+"""A training checkpoint opened for export, without a training job.
+
+The model is rebuilt *on meta* from the checkpoint's own ``config`` component state, so
+it costs no memory; the weights are read from DCP into fresh, unsharded CPU buffers
+(DCP reshards from any world size or expert-parallel layout). The host therefore holds
+one full model in the checkpoint's dtype, which the HF writer casts tensor by tensor.
+Bad input (a run directory, a checkpoint root, an unfinished version, an export) fails
+with one ``CheckpointError`` line that says what to pass instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from veoptim.checkpoint import contents as C
+from veoptim.checkpoint.component import Inventory
+from veoptim.checkpoint.inventory import compare_inventory, saved_inventory
+from veoptim.checkpoint.layout import VERSIONS_DIR, manifest_path
+from veoptim.checkpoint.resolve import latest_complete, resolve_path
+from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
+from veoptim.checkpoint.validate import check_components, check_info, read_json
+from veoptim.config.schema import TrainerConfig
+from veoptim.data import load_tokenizer
+from veoptim.errors import CheckpointError
+from veoptim.models import build_model
+from veoptim.state import CONFIG, MODEL
+from veoptim.state.model import module_inventory
+
+#: Substrings of the model keys of LoRA adapter weights (PEFT's naming).
+LORA_KEY_MARKERS = (".lora_A.", ".lora_B.")
+
+
+@dataclass
+class CheckpointSource:
+    """What an export writer needs: the version, its config, tokenizer and model (meta)."""
+
+    version: Path  # the resolved, complete version directory
+    cfg: TrainerConfig
+    tokenizer: Any
+    model: torch.nn.Module  # built on meta: structure, config and tied keys, no storage
+    step: int
+    saved: Inventory  # the model tensors stored in DCP (keys without "model.")
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether the checkpoint holds LoRA adapter weights."""
+        return any(marker in key for key in self.saved for marker in LORA_KEY_MARKERS)
+
+
+def _refuse_non_checkpoint(path: Path) -> None:
+    """One line saying what was passed and what to pass instead."""
+    if not path.exists() and not path.is_symlink():
+        raise CheckpointError(f"{path} does not exist; pass a training checkpoint directory.")
+    if path.is_dir() and not path.is_symlink():
+        if path.parent.name == VERSIONS_DIR and not manifest_path(path).is_file():
+            raise CheckpointError(
+                f"{path} is an incomplete checkpoint version (no manifest.json: its save never "
+                "finished); pass a published checkpoint name such as <root>/step_..."
+            )
+        if (path / C.INFO_FILE).is_file():
+            return
+        if (path / "checkpoints").is_dir():
+            newest = latest_complete(path / "checkpoints")
+            example = f"{path}/checkpoints/{newest or 'step_...'}"
+            raise CheckpointError(
+                f"{path} is a run directory, not a checkpoint; pass {example} "
+                "(a checkpoint name or version directory inside <run>/checkpoints)."
+            )
+        if (path / VERSIONS_DIR).is_dir():
+            newest = latest_complete(path)
+            raise CheckpointError(
+                f"{path} is a checkpoint root, not a checkpoint; pass one of its names, "
+                f"e.g. {path}/{newest or 'step_...'}."
+            )
+        if (path / "config.json").is_file():
+            raise CheckpointError(
+                f"{path} is a Hugging Face model directory, not a training checkpoint."
+            )
+
+
+def _known_keys(saved: dict[str, Any], schema: DictConfig) -> dict[str, Any]:
+    """``saved`` without the keys this schema lacks (sections of a task or an older
+    release): only what every task shares is needed to rebuild the model."""
+    out: dict[str, Any] = {}
+    for key, value in saved.items():
+        if key not in schema:
+            continue
+        node = schema[key]
+        out[key] = _known_keys(value, node) if isinstance(value, dict) and isinstance(node, DictConfig) else value  # fmt: skip
+    return out
+
+
+def _saved_config(version: Path) -> TrainerConfig:
+    path = C.shared_json_path(version, CONFIG)
+    saved = read_json(path)
+    try:
+        base = OmegaConf.structured(TrainerConfig)
+        return OmegaConf.to_object(OmegaConf.merge(base, _known_keys(saved, base)))
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a valid run config: {exc}.") from exc
+
+
+def open_checkpoint(checkpoint: str | Path) -> CheckpointSource:
+    """Validate ``checkpoint`` (a name link, version or legacy directory) and rebuild its
+    model on meta; no tensor is read yet."""
+    path = Path(checkpoint).expanduser()
+    _refuse_non_checkpoint(path)
+    version = resolve_path(path)
+    _refuse_non_checkpoint(version)  # a name may point to an export
+    info = check_info(read_json(version / C.INFO_FILE), version)
+    check_components(info[C.INFO_COMPONENTS], (MODEL, CONFIG), version, exact=False)
+    cfg = _saved_config(version)
+    tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
+    special = {
+        key: getattr(tokenizer, key)
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id")
+        if getattr(tokenizer, key, None) is not None
+    }
+    model = build_model(cfg.model, len(tokenizer), special, on_meta=True)
+    dcp_dir = version / C.DCP_DIR
+    saved = saved_inventory(read_dcp_metadata(dcp_dir), MODEL, dcp_dir)
+    return CheckpointSource(version, cfg, tokenizer, model, int(info[C.INFO_STEP]), saved)
+
+
+def model_inventory(source: CheckpointSource) -> Inventory:
+    """The tensors the rebuilt model has (what a full fine-tune's checkpoint stores)."""
+    return module_inventory(source.model.state_dict())
+
+
+def read_model_tensors(source: CheckpointSource, expected: Inventory) -> dict[str, torch.Tensor]:
+    """Read exactly the ``expected`` model tensors (after the inventory check a resume
+    does) into fresh CPU buffers; the caller owns the only references."""
+    dcp_dir = source.version / C.DCP_DIR
+    compare_inventory(expected, source.saved, dcp_dir)
+    buffers = {key: torch.empty(spec.shape, dtype=spec.dtype) for key, spec in expected.items()}
+    dcp.load(
+        {MODEL: buffers},
+        storage_reader=SafeFileSystemReader(dcp_dir),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+    )
+    return buffers
