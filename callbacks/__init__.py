@@ -26,8 +26,8 @@ def standard_callbacks(cfg: TrainerConfig, resolved: dict[str, Any]) -> list[Cal
     ]
     if cfg.logging.progress:
         callbacks.append(ProgressCallback())
-    if cfg.checkpoint.hf_export.enabled:
-        callbacks.append(HFExportCallback(cfg.checkpoint))
+    if cfg.export.hf:
+        callbacks.append(HFExportCallback(cfg.export, fsync=cfg.checkpoint.fsync))
     return callbacks
 
 

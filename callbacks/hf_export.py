@@ -1,4 +1,9 @@
-"""Hugging Face export at the end of a finished run, published atomically like checkpoints."""
+"""Hugging Face exports during and at the end of a run, published atomically like checkpoints.
+
+``export.every_steps=N`` publishes ``hf_step_<8 digits>`` every N steps before the last,
+and a run that reaches ``train.max_steps`` publishes ``hf_final`` (the last step is exported
+once, under that name), all in ``<run.dir>/exports`` with kind ``hf_export``.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +11,96 @@ import logging
 
 from veoptim.checkpoint import Publisher
 from veoptim.checkpoint.hf_export import KIND_HF_EXPORT, full_model_state, write_hf_export
-from veoptim.config.schema import CheckpointConfig
-from veoptim.trainer import Callback, Trainer
+from veoptim.config.schema import ExportConfig
+from veoptim.distributed.agreement import broadcast_from_rank0
+from veoptim.export.lora_formats import (
+    BASE_EXPORT,
+    base_reference,
+    needs_base_export,
+    publish_base,
+    write_adapter_dir,
+)
+from veoptim.lora.peft_format import base_state, merged_state, peft_adapter_state
+from veoptim.trainer import Callback, Metrics, Trainer
 
 log = logging.getLogger(__name__)
 
 EXPORTS_SUBDIR = "exports"
 HF_EXPORT_NAME = "hf_final"
+HF_STEP_PATTERN = "hf_step_{step:08d}"
+LORA_EXPORT_NAME = "lora_final"
+LORA_STEP_PATTERN = "lora_step_{step:08d}"
+
+
+def hf_step_name(step: int) -> str:
+    """The name of the cadence export at ``step``."""
+    return HF_STEP_PATTERN.format(step=step)
+
+
+def export_name(trainer: Trainer, cfg: ExportConfig, *, final: bool) -> str:
+    """``hf_*`` for a full model (a full fine-tune, or merged LoRA), ``lora_*`` for adapters."""
+    adapters = trainer.cfg.lora.enabled and not cfg.merge_lora
+    if final:
+        return LORA_EXPORT_NAME if adapters else HF_EXPORT_NAME
+    step = trainer.progress.global_step
+    return (LORA_STEP_PATTERN if adapters else HF_STEP_PATTERN).format(step=step)
 
 
 class HFExportCallback(Callback):
-    """Writes ``<run.dir>/exports/hf_final`` when the run reaches ``train.max_steps``."""
+    """Writes ``<run.dir>/exports/hf_step_*`` at the cadence and ``hf_final`` at the end."""
 
-    def __init__(self, cfg: CheckpointConfig) -> None:
+    def __init__(self, cfg: ExportConfig, *, fsync: bool = True) -> None:
         self.cfg = cfg
+        self.fsync = fsync
+
+    def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None:
+        step, every = trainer.progress.global_step, self.cfg.every_steps
+        if every and step % every == 0 and step < trainer.cfg.train.max_steps:
+            self.export(trainer, export_name(trainer, self.cfg, final=False))
 
     def on_train_end(self, trainer: Trainer) -> None:
         if trainer.progress.global_step < trainer.cfg.train.max_steps:
-            return  # a time slice (train.stop_at_step): the run is not finished yet
-        state = full_model_state(trainer.model)  # collective
-        publisher = Publisher(trainer.run_dir / EXPORTS_SUBDIR, fsync=self.cfg.fsync)
+            return  # a time slice (train.stop_at_step) or a stop: the run is not finished
+        self.export(trainer, export_name(trainer, self.cfg, final=True))
+
+    def export(self, trainer: Trainer, name: str) -> None:
+        """Gather the model (collective) and publish it as ``name`` from rank 0: the full
+        model, the merged LoRA model, or the PEFT adapter directory."""
+        lora = trainer.cfg.lora.enabled
+        if lora and not self.cfg.merge_lora:
+            self._export_adapter(trainer, name)
+            return
+        state = merged_state(trainer.model) if lora else full_model_state(trainer.model)
+        publisher = Publisher(trainer.run_dir / EXPORTS_SUBDIR, fsync=self.fsync)
         step = trainer.progress.global_step
-        with publisher.write(HF_EXPORT_NAME, kind=KIND_HF_EXPORT, step=step, prunable=False) as out:
+        with publisher.write(name, kind=KIND_HF_EXPORT, step=step, prunable=False) as out:
             if trainer.ctx.is_main:
                 write_hf_export(
                     state,
-                    trainer.model.config,
+                    trainer.model,
                     trainer.tokenizer,
                     out,
-                    dtype=self.cfg.hf_export.dtype,
-                    max_shard_size_mb=self.cfg.hf_export.max_shard_size_mb,
+                    dtype=self.cfg.dtype,
+                    max_shard_size_mb=self.cfg.max_shard_size_mb,
                 )
-        log.info("exported Hugging Face model to %s", publisher.root / HF_EXPORT_NAME)
+        del state
+        log.info("exported Hugging Face model to %s", publisher.root / name)
+
+    def _export_adapter(self, trainer: Trainer, name: str) -> None:
+        """The PEFT adapter directory; a base built from config is exported once beside it."""
+        root, step = trainer.run_dir / EXPORTS_SUBDIR, trainer.progress.global_step
+        if broadcast_from_rank0(
+            needs_base_export(trainer.cfg, root) if trainer.ctx.is_main else None
+        ):
+            publish_base(base_state(trainer.model), trainer.model, trainer.tokenizer, root,
+                         step=step, dtype=self.cfg.dtype, max_shard_size_mb=self.cfg.max_shard_size_mb,
+                         fsync=self.fsync, is_main=trainer.ctx.is_main)  # fmt: skip
+            log.info("exported the frozen base model to %s", root / BASE_EXPORT)
+        adapter = peft_adapter_state(trainer.model)  # collective
+        with Publisher(root, fsync=self.fsync).write(name, kind=KIND_HF_EXPORT, step=step,
+                                                     prunable=False) as out:  # fmt: skip
+            if trainer.ctx.is_main:
+                write_adapter_dir(
+                    out, adapter, trainer.cfg, trainer.model, base_reference(trainer.cfg, root)
+                )
+        log.info("exported the LoRA adapter (PEFT format) to %s", root / name)

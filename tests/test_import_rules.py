@@ -40,7 +40,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "veoptim.distributed",
     ),
     "veoptim.state": ("veoptim.trainer", "veoptim.objectives"),
+    "veoptim.export": ("veoptim.trainer", "veoptim.objectives", "veoptim.optim"),
     "veoptim.trainer": ("veoptim.objectives",),
+    "veoptim.lora": ("veoptim.trainer", "veoptim.objectives", "veoptim.export", "veoptim.optim"),
 }
 
 
@@ -99,5 +101,6 @@ def test_the_rules_catch_a_forbidden_import():
     assert violations("veoptim.data.extra", "from veoptim.models import build_model\n")
     assert violations("veoptim.trainer.extra", "from veoptim.objectives import SFTConfig\n")
     assert violations("veoptim.models.extra", "def f():\n    import callbacks\n")
+    assert violations("veoptim.export.extra", "from veoptim.trainer import Trainer\n")
     assert not violations("veoptim.state.extra", "from veoptim.checkpoint import contents\n")
     assert not violations("tasks.extra", "from veoptim.trainer import Trainer\n")

@@ -14,6 +14,7 @@ from veoptim.checkpoint.component import StateComponent
 from veoptim.config.schema import CheckpointConfig
 from veoptim.distributed import DistContext
 from veoptim.errors import ConfigError
+from veoptim.lora.state import LoRAModelState, base_fingerprint
 from veoptim.state import (
     CONFIG,
     LR_SCHEDULER,
@@ -61,8 +62,14 @@ def build_checkpointer(cfg: CheckpointConfig, run_dir: Path, ctx: DistContext) -
 
 def standard_state(trainer: Trainer) -> dict[str, StateComponent]:
     """The components every run checkpoints, in install order (weights before the optimizer)."""
+    model = ModelState(trainer.model)
+    if trainer.cfg.lora.enabled:  # the adapters, and what base they belong to
+        fingerprint = base_fingerprint(
+            trainer.model.config, trainer.cfg.model.path, trainer.cfg.model.init_seed
+        )
+        model = LoRAModelState(trainer.model, fingerprint)
     return {
-        MODEL: ModelState(trainer.model),
+        MODEL: model,
         OPTIMIZER: OptimizerState(trainer.model, trainer.optimizer, trainer.plan.layout_metadata()),
         # An LR scheduler holds its optimizer: checked by structure, not by a trial load.
         LR_SCHEDULER: JSONState(trainer.scheduler, check=same_structure),

@@ -28,6 +28,7 @@ from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, load_tokenizer
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
 from veoptim.errors import CheckpointError, DataError, LiveStateInvalidError, PreemptedError
+from veoptim.lora import apply_lora
 from veoptim.models import build_model
 from veoptim.models.build import check_model_fits
 from veoptim.optim import build_optimizer, build_scheduler
@@ -100,6 +101,8 @@ class Trainer:
         # Ranks other than 0 build without storage; the plan fills their shards from rank 0.
         on_meta = ctx.world_size > 1 and not ctx.is_main
         model = build_model(cfg.model, len(tokenizer), special, on_meta=on_meta)
+        if cfg.lora.enabled:  # adapters join the model before it is sharded
+            apply_lora(model, cfg.lora, seed=cfg.model.init_seed)
         plan = build_parallel_plan(
             cfg.parallel, ctx, num_experts=getattr(model.config, "num_experts", 0) or 0
         )

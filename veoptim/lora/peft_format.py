@@ -1,0 +1,97 @@
+"""LoRA adapters in PEFT's on-disk format, and the merged full model.
+
+A PEFT adapter directory holds ``adapter_model.safetensors`` (keys
+``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``: the adapter name is
+dropped) and ``adapter_config.json``; ``peft.PeftModel.from_pretrained(base, dir)``
+loads it. The state functions here gather sharded (FSDP2/EP) weights into full tensors,
+a collective: every rank calls them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from veoptim.config.schema import LoRAConfig
+from veoptim.lora.inject import lora_layers
+from veoptim.lora.layer import DEFAULT_ADAPTER
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+BASE_LAYER = ".base_layer"
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on the CPU (gathers a DTensor: collective)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().to("cpu").contiguous()
+
+
+def peft_adapter_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[str, torch.Tensor]:
+    """The adapter ``name`` of every LoRA layer, keyed as PEFT saves it."""
+    state: dict[str, torch.Tensor] = {}
+    for fqn, layer in lora_layers(model).items():
+        for kind in ("lora_A", "lora_B"):
+            state[f"{PEFT_PREFIX}{fqn}.{kind}.weight"] = _full(getattr(layer, kind)[name].weight)
+    return state
+
+
+def adapter_config(
+    cfg: LoRAConfig, model: nn.Module, base_model_name_or_path: str
+) -> dict[str, Any]:
+    """``adapter_config.json`` for PEFT: the targets are the adapted layers' short names (or
+    the regex), so PEFT rebuilds exactly these layers."""
+    targets: Any = cfg.target_regex or sorted({n.rsplit(".", 1)[-1] for n in lora_layers(model)})
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": cfg.r,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "use_rslora": cfg.use_rslora,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def write_peft_adapter(
+    out_dir: Path, state: dict[str, torch.Tensor], config: dict[str, Any]
+) -> None:
+    """Write a PEFT adapter directory (rank 0, after the collective gathers)."""
+    save_file(state, str(out_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The frozen base's state dict under its original names (no adapters), full tensors."""
+    return {
+        key.replace(BASE_LAYER, ""): _full(value)
+        for key, value in model.state_dict().items()
+        if ".lora_A." not in key and ".lora_B." not in key
+    }
+
+
+def merged_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[str, torch.Tensor]:
+    """The base with adapter ``name`` folded into each adapted weight, under the base's
+    original names and dtype: the model PEFT's ``merge_and_unload`` would give."""
+    state = base_state(model)
+    for fqn, layer in lora_layers(model).items():
+        key = f"{fqn}.weight"
+        base = state[key]
+        a = _full(layer.lora_A[name].weight).float()
+        b = _full(layer.lora_B[name].weight).float()
+        state[key] = (base.float() + (b @ a) * layer.specs[name].scaling).to(base.dtype)
+    return state
