@@ -8,7 +8,7 @@ from veoptim.data.fields import IGNORE_INDEX
 from veoptim.data.paths import bundled_dataset_path, bundled_sample_path, bundled_tokenizer_dir
 from veoptim.data.sampler import GlobalBatchSampler
 from veoptim.data.sft import SFTDataset, load_sft_dataset
-from veoptim.data.tokenizer import load_tokenizer
+from veoptim.data.tokenizer import load_tokenizer, special_token_ids
 
 __all__ = [
     "IGNORE_INDEX",
@@ -20,4 +20,5 @@ __all__ = [
     "collate",
     "load_sft_dataset",
     "load_tokenizer",
+    "special_token_ids",
 ]

@@ -97,3 +97,11 @@ def load_tokenizer(path: str = "", model_path: str = "") -> PreTrainedTokenizerF
             )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def special_token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
+    """The tokenizer's pad/bos/eos ids that are set, as a model config takes them."""
+    keys = ("pad_token_id", "bos_token_id", "eos_token_id")
+    return {
+        key: getattr(tokenizer, key) for key in keys if getattr(tokenizer, key, None) is not None
+    }

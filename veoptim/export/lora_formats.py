@@ -20,6 +20,7 @@ from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.resolve import read_link
 from veoptim.checkpoint.validate import read_json
 from veoptim.config.schema import TrainerConfig
+from veoptim.data import special_token_ids
 from veoptim.errors import CheckpointError
 from veoptim.export.source import CheckpointSource, read_model_tensors
 from veoptim.lora import apply_lora
@@ -79,11 +80,7 @@ def lora_model(source: CheckpointSource) -> nn.Module:
     """The base with real weights, checked against the checkpoint's fingerprint, plus the
     adapters read from DCP."""
     cfg = source.cfg
-    special = {
-        key: getattr(source.tokenizer, key)
-        for key in ("pad_token_id", "bos_token_id", "eos_token_id")
-        if getattr(source.tokenizer, key, None) is not None
-    }
+    special = special_token_ids(source.tokenizer)
     model = build_model(cfg.model, len(source.tokenizer), special)
     saved = read_json(C.shared_json_path(source.version, MODEL))
     live = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)

@@ -27,7 +27,7 @@ from veoptim.checkpoint.resolve import latest_complete, resolve_path
 from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 from veoptim.checkpoint.validate import check_components, check_info, read_json
 from veoptim.config.schema import TrainerConfig
-from veoptim.data import load_tokenizer
+from veoptim.data import load_tokenizer, special_token_ids
 from veoptim.errors import CheckpointError
 from veoptim.models import build_model
 from veoptim.state import CONFIG, MODEL
@@ -118,11 +118,7 @@ def open_checkpoint(checkpoint: str | Path) -> CheckpointSource:
     check_components(info[C.INFO_COMPONENTS], (MODEL, CONFIG), version, exact=False)
     cfg = _saved_config(version)
     tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
-    special = {
-        key: getattr(tokenizer, key)
-        for key in ("pad_token_id", "bos_token_id", "eos_token_id")
-        if getattr(tokenizer, key, None) is not None
-    }
+    special = special_token_ids(tokenizer)
     model = build_model(cfg.model, len(tokenizer), special, on_meta=True)
     dcp_dir = version / C.DCP_DIR
     saved = saved_inventory(read_dcp_metadata(dcp_dir), MODEL, dcp_dir)

@@ -25,7 +25,7 @@ from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import StateComponent, check_component_name
 from veoptim.config.launch import check_launch
 from veoptim.config.schema import TrainerConfig
-from veoptim.data import GlobalBatchSampler, load_tokenizer
+from veoptim.data import GlobalBatchSampler, load_tokenizer, special_token_ids
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
 from veoptim.errors import CheckpointError, DataError, LiveStateInvalidError, PreemptedError
 from veoptim.lora import apply_lora
@@ -93,11 +93,7 @@ class Trainer:
         tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
         check_model_fits(cfg.model, len(tokenizer), cfg.data.max_seq_len, tokenizer.name_or_path)
         objective = cfg.build_objective(tokenizer)
-        special = {
-            key: getattr(tokenizer, key)
-            for key in ("pad_token_id", "bos_token_id", "eos_token_id")
-            if getattr(tokenizer, key, None) is not None
-        }
+        special = special_token_ids(tokenizer)
         # Ranks other than 0 build without storage; the plan fills their shards from rank 0.
         on_meta = ctx.world_size > 1 and not ctx.is_main
         model = build_model(cfg.model, len(tokenizer), special, on_meta=on_meta)
