@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from tests.checkpoint.ckpt_state import build_trainer
 from tests.distributed.spawn import run_ranks
 from tests.lora.helpers import INPUT_IDS, load_peft_strictly, logits
-from veoptim.lora import DEFAULT_ADAPTER, lora_layers
+from veoptim.lora import DEFAULT_ADAPTER, lora_experts, lora_layers
 from veoptim.lora.peft_format import (
     adapter_config,
     base_state,
@@ -26,6 +26,11 @@ from veoptim.lora.peft_format import (
 CASES = {
     "dense_fsdp": ["parallel=fsdp"],
     "moe_ep2": ["model=tiny_moe", "parallel=fsdp_ep2"],
+    "moe_ep2_experts": [
+        "model=tiny_moe",
+        "parallel=fsdp_ep2",
+        "lora.target_experts=[gate_up_proj,down_proj]",
+    ],
 }
 COMMON = ["lora.enabled=true", "lora.r=4", "parallel.param_dtype=fp32", "optim=full_fp32_adamw"]
 
@@ -38,7 +43,7 @@ def _train_and_export(ctx, out: Path) -> dict:
         trainer.model.eval()
         with torch.no_grad():
             ours = trainer.model(input_ids=INPUT_IDS, use_cache=False).logits.float()
-            layers = lora_layers(trainer.model).values()
+            layers = [*lora_layers(trainer.model).values(), *lora_experts(trainer.model).values()]
             for layer in layers:  # the sharded base alone: its own numerics, measured
                 layer.active = ()
             base_only = trainer.model(input_ids=INPUT_IDS, use_cache=False).logits.float()
@@ -84,3 +89,5 @@ def test_peft_reproduces_the_two_rank_lora_model(exported, case):
     assert (logits(base) - sharded).abs().max() > 1e-4  # three steps moved the adapters
     config = json.loads((exported / case / "adapter" / "adapter_config.json").read_text())
     assert "q_proj" in config["target_modules"]
+    if case.endswith("experts"):
+        assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

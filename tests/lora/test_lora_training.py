@@ -93,8 +93,11 @@ def test_a_lora_checkpoint_is_refused_against_another_base(tmp_path):
 
 
 # ------------------------------------------------------------------------------ 2 ranks
-def _two_rank_resume(ctx, out: Path) -> dict:
-    common = [*LORA, "parallel=fsdp"]
+EXPERTS = ["model=tiny_moe", "parallel=fsdp_ep2", "lora.target_experts=[gate_up_proj,down_proj]"]
+
+
+def _two_rank_resume(ctx, out: Path, overrides: list[str]) -> dict:
+    common = [*LORA, *overrides]
     straight = build_trainer(out / "straight", common, ctx)
     for _ in range(4):
         straight.train_step()
@@ -111,11 +114,16 @@ def _two_rank_resume(ctx, out: Path) -> dict:
     return {}
 
 
-def test_lora_resumes_bitwise_on_two_ranks(tmp_path):
-    run_ranks(2, _two_rank_resume, tmp_path)
+@pytest.mark.parametrize(
+    "overrides", [["parallel=fsdp"], EXPERTS], ids=["dense_fsdp", "moe_ep2_experts"]
+)
+def test_lora_resumes_bitwise_on_two_ranks(tmp_path, overrides):
+    run_ranks(2, _two_rank_resume, tmp_path, overrides)
     from tests.checkpoint.helpers.ckpt_io import differences
 
     a = read_checkpoint(tmp_path / "ckpt" / "straight")
     b = read_checkpoint(tmp_path / "ckpt" / "resumed")
     assert any(k.endswith(MASTER_WEIGHT) for k in a.tensors)
+    if overrides == EXPERTS:
+        assert any(".experts.lora_A." in k for k in a.tensors)
     assert differences(a, b) == []

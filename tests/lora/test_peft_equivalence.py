@@ -14,7 +14,7 @@ import torch
 from tests.lora.helpers import load_peft_strictly, logits
 from veoptim.config.schema import LoRAConfig, ModelConfig
 from veoptim.data import load_tokenizer
-from veoptim.lora import DEFAULT_ADAPTER, LoRALinear, apply_lora, lora_layers
+from veoptim.lora import DEFAULT_ADAPTER, LoRALinear, apply_lora, lora_experts, lora_layers
 from veoptim.lora.peft_format import (
     ADAPTER_CONFIG_FILE,
     adapter_config,
@@ -46,11 +46,20 @@ def _adapted(base, cfg: LoRAConfig):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", sorted(MODELS))
+EXPERTS = ["gate_up_proj", "down_proj"]
+CASES = {
+    "dense": ("dense", []),
+    "moe": ("moe", []),
+    "moe_experts": ("moe", EXPERTS),  # per-expert adapters, PEFT's target_parameters
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("rslora", [False, True], ids=["alpha_over_r", "rslora"])
-def test_the_peft_export_reproduces_our_logits(tmp_path, kind, rslora):
+def test_the_peft_export_reproduces_our_logits(tmp_path, case, rslora):
+    kind, experts = CASES[case]
     base = _base(kind)
-    cfg = LoRAConfig(enabled=True, r=4, alpha=12.0, use_rslora=rslora)
+    cfg = LoRAConfig(enabled=True, r=4, alpha=12.0, use_rslora=rslora, target_experts=experts)
     ours = _adapted(base, cfg)
     base.save_pretrained(tmp_path / "base")
     (tmp_path / "adapter").mkdir()
@@ -133,3 +142,31 @@ def test_a_missing_adapter_key_is_caught_by_the_strict_load(tmp_path):
     write_peft_adapter(tmp_path / "adapter", state, adapter_config(cfg, ours, "unused"))
     with pytest.raises(AssertionError, match="missing"):
         load_peft_strictly(base, tmp_path / "adapter")
+
+
+def test_expert_adapters_need_a_moe_model_and_no_dropout():
+    from veoptim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no fused MoE experts"):
+        apply_lora(_base("dense"), LoRAConfig(enabled=True, target_experts=EXPERTS), seed=0)
+    with pytest.raises(ConfigError, match="needs lora.dropout=0"):
+        apply_lora(
+            _base("moe"), LoRAConfig(enabled=True, dropout=0.1, target_experts=EXPERTS), seed=0
+        )
+    with pytest.raises(ConfigError, match="may name"):
+        apply_lora(_base("moe"), LoRAConfig(enabled=True, target_experts=["w1"]), seed=0)
+
+
+def test_expert_adapters_are_per_expert_and_start_at_zero():
+    model = _base("moe")
+    apply_lora(
+        model, LoRAConfig(enabled=True, r=4, target_modules=[], target_experts=EXPERTS), seed=0
+    )
+    (name, experts), *_ = lora_experts(model).items()
+    gate_up = experts.base_layer.gate_up_proj
+    a = experts.lora_A[DEFAULT_ADAPTER]["gate_up_proj"]
+    b = experts.lora_B[DEFAULT_ADAPTER]["gate_up_proj"]
+    assert a.shape == (gate_up.shape[0], 4, gate_up.shape[2]) and b.shape == (*gate_up.shape[:2], 4)
+    assert torch.count_nonzero(b) == 0 and a.abs().max() <= 1 / math.sqrt(gate_up.shape[2])
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".experts.lora_" in n for n in trainable)

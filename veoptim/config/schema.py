@@ -148,6 +148,11 @@ class LoRAConfig:
     target_regex: str = opt(
         "", "Instead of target_modules: a regex that must fullmatch a Linear's full name."
     )
+    target_experts: list[str] = opt(
+        [],
+        "MoE models: fused expert weights to adapt per expert (gate_up_proj, down_proj); "
+        "needs lora.dropout=0.",
+    )
 
 
 @dataclass

@@ -9,7 +9,9 @@ from torch import nn
 
 from veoptim.config.schema import LoRAConfig
 from veoptim.errors import ConfigError
+from veoptim.lora.experts import EXPERT_PARAMS, LoRAExperts
 from veoptim.lora.layer import DEFAULT_ADAPTER, AdapterSpec, LoRALinear
+from veoptim.models.experts import is_fused_experts
 
 
 def adapter_spec(cfg: LoRAConfig) -> AdapterSpec:
@@ -21,6 +23,30 @@ def is_target(name: str, cfg: LoRAConfig) -> bool:
     if cfg.target_regex:
         return re.fullmatch(cfg.target_regex, name) is not None
     return any(name == t or name.endswith("." + t) for t in cfg.target_modules)
+
+
+def expert_targets(model: nn.Module, cfg: LoRAConfig) -> list[str]:
+    """Full names of the fused-experts modules ``lora.target_experts`` adapts (ConfigError
+    for an unknown parameter name, dropout, or a model without fused experts)."""
+    if not cfg.target_experts:
+        return []
+    unknown = sorted(set(cfg.target_experts) - set(EXPERT_PARAMS))
+    if unknown:
+        raise ConfigError(
+            f"lora.target_experts may name {list(EXPERT_PARAMS)}, got {list(cfg.target_experts)}."
+        )
+    if cfg.dropout:
+        raise ConfigError(
+            f"lora.target_experts needs lora.dropout=0 (expert adapters have no dropout), got "
+            f"{cfg.dropout}."
+        )
+    names = [name for name, module in model.named_modules() if is_fused_experts(module)]
+    if not names:
+        raise ConfigError(
+            "lora.target_experts is set but the model has no fused MoE experts "
+            "(use a MoE model such as model=tiny_moe, or leave lora.target_experts empty)."
+        )
+    return names
 
 
 def target_names(model: nn.Module, cfg: LoRAConfig) -> list[str]:
@@ -57,20 +83,30 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, seed: int) -> list[str]:
             f"lora.r and lora.alpha must be > 0 and lora.dropout in [0, 1), got r={cfg.r}, "
             f"alpha={cfg.alpha}, dropout={cfg.dropout}."
         )
-    names = target_names(model, cfg)
+    experts = expert_targets(model, cfg)
+    names = (
+        target_names(model, cfg) if cfg.target_modules or cfg.target_regex or not experts else []
+    )
     model.requires_grad_(False)
     spec = adapter_spec(cfg)
+    params = tuple(p for p in EXPERT_PARAMS if p in cfg.target_experts)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for name in names:
+        for name in [*names, *experts]:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            layer = LoRALinear(getattr(parent, child))
+            base = getattr(parent, child)
+            layer = LoRAExperts(base, params) if name in experts else LoRALinear(base)
             layer.add_adapter(DEFAULT_ADAPTER, spec)
             setattr(parent, child, layer)
-    return names
+    return [*names, *experts]
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
-    """``{full name: layer}`` of every adapted layer (FSDP/EP wrappers keep the names)."""
+    """``{full name: layer}`` of every adapted Linear (FSDP/EP wrappers keep the names)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def lora_experts(model: nn.Module) -> dict[str, LoRAExperts]:
+    """``{full name: module}`` of every adapted fused-experts module."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRAExperts)}

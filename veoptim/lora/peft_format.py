@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from veoptim.config.schema import LoRAConfig
-from veoptim.lora.inject import lora_layers
+from veoptim.lora.experts import EXPERT_PARAMS
+from veoptim.lora.inject import lora_experts, lora_layers
 from veoptim.lora.layer import DEFAULT_ADAPTER
 
 PEFT_PREFIX = "base_model.model."
@@ -36,11 +37,26 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def peft_adapter_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[str, torch.Tensor]:
-    """The adapter ``name`` of every LoRA layer, keyed as PEFT saves it."""
+    """The adapter ``name`` of every LoRA layer, keyed and laid out as PEFT saves it.
+
+    Expert adapters follow PEFT's ``target_parameters``: one wrapper per parameter, the
+    last one outermost (``experts.lora_A``, the one before ``experts.base_layer.lora_A``);
+    A stored as ``[E*r, in]``, B as ``[out, r*E]`` with the expert index fastest.
+    """
     state: dict[str, torch.Tensor] = {}
     for fqn, layer in lora_layers(model).items():
         for kind in ("lora_A", "lora_B"):
             state[f"{PEFT_PREFIX}{fqn}.{kind}.weight"] = _full(getattr(layer, kind)[name].weight)
+    for fqn, experts in lora_experts(model).items():
+        params = experts.param_names
+        for depth, param in enumerate(reversed(params)):
+            prefix = f"{PEFT_PREFIX}{fqn}." + "base_layer." * depth
+            a = _full(experts.lora_A[name][param])  # [E, r, in]
+            b = _full(experts.lora_B[name][param])  # [E, out, r]
+            state[f"{prefix}lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()
+            state[f"{prefix}lora_B.weight"] = (
+                b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
+            )
     return state
 
 
@@ -50,6 +66,14 @@ def adapter_config(
     """``adapter_config.json`` for PEFT: the targets are the adapted layers' short names (or
     the regex), so PEFT rebuilds exactly these layers."""
     targets: Any = cfg.target_regex or sorted({n.rsplit(".", 1)[-1] for n in lora_layers(model)})
+    parameters = sorted(
+        {
+            ".".join(n.split(".")[-2:]) + f".{p}"
+            for n, e in lora_experts(model).items()
+            for p in e.param_names
+        },
+        key=lambda key: EXPERT_PARAMS.index(key.rsplit(".", 1)[-1]),
+    )
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -59,6 +83,7 @@ def adapter_config(
         "lora_dropout": cfg.dropout,
         "use_rslora": cfg.use_rslora,
         "target_modules": targets,
+        "target_parameters": parameters or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -94,4 +119,12 @@ def merged_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[str, tor
         a = _full(layer.lora_A[name].weight).float()
         b = _full(layer.lora_B[name].weight).float()
         state[key] = (base.float() + (b @ a) * layer.specs[name].scaling).to(base.dtype)
+    for fqn, experts in lora_experts(model).items():
+        for param in experts.param_names:
+            key = f"{fqn}.{param}"
+            base = state[key]
+            full_a = _full(experts.lora_A[name][param]).float()
+            full_b = _full(experts.lora_B[name][param]).float()
+            delta = torch.bmm(full_b, full_a) * experts.specs[name].scaling
+            state[key] = (base.float() + delta).to(base.dtype)
     return state

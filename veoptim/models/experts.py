@@ -89,6 +89,9 @@ class ExpertParallelExperts(nn.Module):
         self.num_experts = num_experts
         self.act_fn = experts.act_fn
         self.dispatcher = dispatcher
+        #: ``(name, local weight, local expert ids) -> weight used``, applied after FSDP has
+        #: gathered the weights (LoRA adds its per-expert updates here); None = as stored.
+        self.weight_transform: Callable[[str, torch.Tensor, range], torch.Tensor] | None = None
         ids = dispatcher.local_expert_ids
         for name in FUSED_EXPERT_PARAMS:
             full = getattr(experts, name)
@@ -107,16 +110,17 @@ class ExpertParallelExperts(nn.Module):
     ) -> torch.Tensor:
         num_tokens, top_k = top_k_index.shape
         rows, per_expert, state = self.dispatcher.dispatch(hidden_states, top_k_index)
-        out = local_experts_forward(
-            rows,
-            per_expert,
-            self._local(self.gate_up_proj),
-            self._local(self.down_proj),
-            self.act_fn,
-        )
+        gate_up, down = (self._weight(name) for name in FUSED_EXPERT_PARAMS)
+        out = local_experts_forward(rows, per_expert, gate_up, down, self.act_fn)
         pairs = self.dispatcher.combine(out, state).view(num_tokens, top_k, -1)
         weighted = pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)
         return weighted.sum(dim=1).to(hidden_states.dtype)
+
+    def _weight(self, name: str) -> torch.Tensor:
+        local = self._local(getattr(self, name))
+        if self.weight_transform is None:
+            return local
+        return self.weight_transform(name, local, self.dispatcher.local_expert_ids)
 
     def extra_repr(self) -> str:
         ids = self.dispatcher.local_expert_ids
