@@ -43,7 +43,8 @@ def _train_and_export(ctx, out: Path) -> dict:
         trainer.model.eval()
         with torch.no_grad():
             ours = trainer.model(input_ids=INPUT_IDS, use_cache=False).logits.float()
-            layers = [*lora_layers(trainer.model).values(), *lora_experts(trainer.model).values()]
+            experts = [e.adapters for e in lora_experts(trainer.model).values()]
+            layers = [*lora_layers(trainer.model).values(), *experts]
             for layer in layers:  # the sharded base alone: its own numerics, measured
                 layer.active = ()
             base_only = trainer.model(input_ids=INPUT_IDS, use_cache=False).logits.float()

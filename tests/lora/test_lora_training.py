@@ -111,19 +111,27 @@ def _two_rank_resume(ctx, out: Path, overrides: list[str]) -> dict:
     resumed.train_step()
     for trainer, name in ((straight, "straight"), (resumed, "resumed")):
         save_with(Checkpointer(out / "ckpt", fsync=False), trainer, name)
-    return {}
+    shapes = {  # expert adapters: (global, this rank's) number of experts
+        name: (p.shape[0], p.to_local().shape[0])
+        for name, p in resumed.model.named_parameters()
+        if ".experts." in name and ".lora_A." in name
+    }
+    return {"expert_adapter_shapes": shapes}
 
 
 @pytest.mark.parametrize(
     "overrides", [["parallel=fsdp"], EXPERTS], ids=["dense_fsdp", "moe_ep2_experts"]
 )
 def test_lora_resumes_bitwise_on_two_ranks(tmp_path, overrides):
-    run_ranks(2, _two_rank_resume, tmp_path, overrides)
+    result = run_ranks(2, _two_rank_resume, tmp_path, overrides)
+    if overrides == EXPERTS:  # the adapters are split over ep with their experts
+        assert result["expert_adapter_shapes"]
+        assert all(local * 2 == full for full, local in result["expert_adapter_shapes"].values())
     from tests.checkpoint.helpers.ckpt_io import differences
 
     a = read_checkpoint(tmp_path / "ckpt" / "straight")
     b = read_checkpoint(tmp_path / "ckpt" / "resumed")
     assert any(k.endswith(MASTER_WEIGHT) for k in a.tensors)
     if overrides == EXPERTS:
-        assert any(".experts.lora_A." in k for k in a.tensors)
+        assert any(".experts." in k and ".lora_A." in k for k in a.tensors)
     assert differences(a, b) == []

@@ -164,9 +164,9 @@ def test_expert_adapters_are_per_expert_and_start_at_zero():
     )
     (name, experts), *_ = lora_experts(model).items()
     gate_up = experts.base_layer.gate_up_proj
-    a = experts.lora_A[DEFAULT_ADAPTER]["gate_up_proj"]
-    b = experts.lora_B[DEFAULT_ADAPTER]["gate_up_proj"]
+    a = experts.adapters.lora_A[DEFAULT_ADAPTER]["gate_up_proj"]
+    b = experts.adapters.lora_B[DEFAULT_ADAPTER]["gate_up_proj"]
     assert a.shape == (gate_up.shape[0], 4, gate_up.shape[2]) and b.shape == (*gate_up.shape[:2], 4)
     assert torch.count_nonzero(b) == 0 and a.abs().max() <= 1 / math.sqrt(gate_up.shape[2])
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trainable and all(".experts.lora_" in n for n in trainable)
+    assert trainable and all(".experts.base_layer.lora.lora_" in n for n in trainable)

@@ -51,8 +51,8 @@ def peft_adapter_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[st
         params = experts.param_names
         for depth, param in enumerate(reversed(params)):
             prefix = f"{PEFT_PREFIX}{fqn}." + "base_layer." * depth
-            a = _full(experts.lora_A[name][param])  # [E, r, in]
-            b = _full(experts.lora_B[name][param])  # [E, out, r]
+            a = _full(experts.adapters.lora_A[name][param])  # [E, r, in]
+            b = _full(experts.adapters.lora_B[name][param])  # [E, out, r]
             state[f"{prefix}lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()
             state[f"{prefix}lora_B.weight"] = (
                 b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
@@ -123,8 +123,8 @@ def merged_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[str, tor
         for param in experts.param_names:
             key = f"{fqn}.{param}"
             base = state[key]
-            full_a = _full(experts.lora_A[name][param]).float()
-            full_b = _full(experts.lora_B[name][param]).float()
+            full_a = _full(experts.adapters.lora_A[name][param]).float()
+            full_b = _full(experts.adapters.lora_B[name][param]).float()
             delta = torch.bmm(full_b, full_a) * experts.specs[name].scaling
             state[key] = (base.float() + delta).to(base.dtype)
     return state

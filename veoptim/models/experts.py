@@ -76,6 +76,16 @@ def local_experts_forward(
     return torch.cat(outs)
 
 
+def _split(full: nn.Parameter, ids: range, ep_mesh: DeviceMesh) -> nn.Parameter:
+    """This rank's experts of ``full`` (indexed by expert first), as a DTensor ``Shard(0)``
+    over ``ep`` with the global shape, so state-dict keys and shapes stay the model's."""
+    local = full.detach()[ids.start : ids.stop].clone()
+    dtensor = DTensor.from_local(
+        local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+    )
+    return nn.Parameter(dtensor, requires_grad=full.requires_grad)
+
+
 class ExpertParallelExperts(nn.Module):
     """Drop-in for a fused-experts module that holds and computes only this rank's experts."""
 
@@ -94,12 +104,18 @@ class ExpertParallelExperts(nn.Module):
         self.weight_transform: Callable[[str, torch.Tensor, range], torch.Tensor] | None = None
         ids = dispatcher.local_expert_ids
         for name in FUSED_EXPERT_PARAMS:
-            full = getattr(experts, name)
-            local = full.detach()[ids.start : ids.stop].clone()
-            dtensor = DTensor.from_local(
-                local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
-            )
-            self.register_parameter(name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
+            self.register_parameter(name, _split(getattr(experts, name), ids, ep_mesh))
+        # Children indexed by expert first (LoRA's per-expert adapters) go with their experts.
+        for child_name, child in experts.named_children():
+            for module in child.modules():
+                for name, param in list(module.named_parameters(recurse=False)):
+                    if param.dim() == 0 or param.shape[0] != num_experts:
+                        raise ValueError(
+                            f"{child_name} of the experts module holds {name} of shape "
+                            f"{tuple(param.shape)}, not indexed by expert first."
+                        )
+                    setattr(module, name, _split(param, ids, ep_mesh))
+            self.add_module(child_name, child)
 
     @staticmethod
     def _local(param: torch.Tensor) -> torch.Tensor:
