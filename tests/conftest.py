@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,19 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 def compose_sft(overrides: list[str] | None = None) -> DictConfig:
     """Compose ``configs/sft.yaml`` with overrides (the same schema validation as the CLI)."""
     return compose_config("sft", overrides)
+
+
+def run_sft_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m tasks.sft ARGS`` in a real subprocess, offline, from ``cwd``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "tasks.sft", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture

@@ -4,30 +4,13 @@ path, a sequence length past the model's positions, a multi-rank config in one p
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.conftest import REPO, compose_sft
+from tests.conftest import compose_sft, run_sft_cli
 from veoptim.config import to_config
 from veoptim.distributed import init_distributed
 from veoptim.errors import ConfigError
 from veoptim.trainer import Trainer
-
-
-def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "tasks.sft", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_plus_added_unknown_key_is_rejected_with_the_closest_known_key():
@@ -56,7 +39,9 @@ def test_every_unknown_key_is_named_at_any_depth():
 
 
 def test_cli_rejects_plus_unknown_key_with_exit_code_2(tmp_path):
-    proc = _cli(["+optim.lrr=1e-3", f"run.dir={tmp_path / 'run'}", "train.max_steps=2"], tmp_path)
+    proc = run_sft_cli(
+        ["+optim.lrr=1e-3", f"run.dir={tmp_path / 'run'}", "train.max_steps=2"], tmp_path
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     output = proc.stdout + proc.stderr
     assert "ConfigError: unknown config key optim.lrr" in output
@@ -99,7 +84,7 @@ def test_expert_parallel_config_in_one_process_says_to_use_torchrun(tmp_path):
 
 def test_cli_expert_parallel_in_one_process_prints_a_ready_torchrun_command(tmp_path):
     run = f"run.dir={tmp_path / 'run'}"
-    proc = _cli(["model=tiny_moe", "parallel=fsdp_ep2", run], tmp_path)
+    proc = run_sft_cli(["model=tiny_moe", "parallel=fsdp_ep2", run], tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     expected = f"torchrun --standalone --nproc_per_node 2 -m tasks.sft model=tiny_moe parallel=fsdp_ep2 {run}"
     assert expected in proc.stdout + proc.stderr

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -13,7 +10,7 @@ import yaml
 
 from callbacks.metrics import METRIC_KEYS
 from tasks.runner import run_task
-from tests.conftest import REPO, compose_sft
+from tests.conftest import compose_sft, run_sft_cli
 from veoptim.config import to_config
 from veoptim.data import bundled_sample_path
 from veoptim.distributed import init_distributed
@@ -131,21 +128,9 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tiny_overrides):
     assert not torch.allclose(one["lm_head.weight"] * 4, four["lm_head.weight"], rtol=1e-2)
 
 
-def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "tasks.sft", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_multirun_sweep_writes_one_run_per_value_inside_run_dir(tmp_path):
     run_dir = tmp_path / "sweep"
-    proc = _cli(
+    proc = run_sft_cli(
         [
             "-m",
             "optim.lr=1e-3,2e-3",
@@ -170,7 +155,7 @@ def test_multirun_sweep_writes_one_run_per_value_inside_run_dir(tmp_path):
 
 
 def test_cli_bad_override_fails_with_one_clear_message(tmp_path):
-    proc = _cli([f"run.dir={tmp_path / 'r'}", "train.micro_batch_size=3"], cwd=tmp_path)
+    proc = run_sft_cli([f"run.dir={tmp_path / 'r'}", "train.micro_batch_size=3"], cwd=tmp_path)
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "train.global_batch_size" in output and "Traceback" not in output
