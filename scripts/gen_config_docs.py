@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from veoptim.config.schema import TrainerConfig
+from veoptim.lora.slots import MultiLoRAConfig
 from veoptim.objectives import SFTConfig
 
 HEADER = """# Config reference
@@ -17,6 +19,7 @@ Generated from the config dataclasses (`veoptim/config/schema.py` and the SFT
 task's `veoptim/objectives/sft.py`) by `scripts/gen_config_docs.py`
 (`make docs`); a test fails when this page and the dataclasses disagree.
 Override any key on the command line: `python -m tasks.sft optim.lr=1e-4`.
+`tasks.multi_lora` shares every section and changes the ones listed at the end.
 Choose a config group file with `group=name` (e.g. `optim=master_fp32_adamw`,
 `model=tiny_moe`, `parallel=fsdp`, `scheduler=wsd`); the files live under
 `configs/<group>/`.
@@ -50,6 +53,20 @@ def render() -> str:
     hints = typing.get_type_hints(SFTConfig)
     for f in dataclasses.fields(SFTConfig):
         out.append(f"\n## `{f.name}`\n")
+        out.append("| key | type | default | meaning |")
+        out.append("| --- | --- | --- | --- |")
+        out += _rows(hints[f.name], f"{f.name}.")
+    out.append("\n## `tasks.multi_lora`\n")
+    out.append(
+        "Its config (`veoptim/lora/slots/config.py`) replaces `data` and adds `slots`; "
+        "`lora.num_slots` and `lora.r` (each slot's maximum rank) matter there."
+    )
+    shared = typing.get_type_hints(TrainerConfig)
+    hints = typing.get_type_hints(MultiLoRAConfig)
+    for f in dataclasses.fields(MultiLoRAConfig):
+        if shared.get(f.name) is hints[f.name]:
+            continue
+        out.append(f"\n### `{f.name}`\n")
         out.append("| key | type | default | meaning |")
         out.append("| --- | --- | --- | --- |")
         out += _rows(hints[f.name], f"{f.name}.")

@@ -27,3 +27,17 @@ class LiveStateInvalidError(CheckpointError):
 
 class PreemptedError(VeoptimError, RuntimeError):
     """Training stopped on SIGTERM/SIGINT after saving; the message says how to resume."""
+
+
+class SlotError(VeoptimError, RuntimeError):
+    """A multi-LoRA slot operation failed; only that slot's caller sees it, and every other
+    slot is untouched. ``slot`` is the slot index the call named."""
+
+    def __init__(self, slot: int, message: str) -> None:
+        super().__init__(f"slot {slot}: {message}")
+        self.slot = slot
+
+
+class SlotStateInvalidError(SlotError):
+    """Loading a slot failed after its live state was written: reset, release or load it
+    again before training it (other slots are unaffected)."""

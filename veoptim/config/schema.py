@@ -153,6 +153,20 @@ class LoRAConfig:
         "MoE models: fused expert weights to adapt per expert (gate_up_proj, down_proj); "
         "needs lora.dropout=0.",
     )
+    num_slots: int = opt(
+        0,
+        "Multi-LoRA (tasks.multi_lora, SlotTrainer): adapters per targeted layer, one per "
+        "slot; lora.r is then each slot's maximum rank (0 = a single adapter).",
+    )
+
+
+@dataclass
+class SlotsConfig:
+    """Multi-LoRA slot checkpoints (``SlotTrainer``)."""
+
+    keep_last: int = opt(
+        0, "Keep the newest N saves of each slot checkpoint name (0 = keep all); per name."
+    )
 
 
 @dataclass

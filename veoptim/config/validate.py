@@ -39,6 +39,7 @@ NON_NEGATIVE: tuple[str, ...] = (
     "checkpoint.save_steps",
     "checkpoint.save_epochs",
     "checkpoint.keep_last",
+    "lora.num_slots",
     "export.every_steps",
     "export.max_shard_size_mb",
     "scheduler.warmup_steps",

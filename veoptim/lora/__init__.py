@@ -14,3 +14,13 @@ __all__ = [
     "lora_layers",
     "target_names",
 ]
+
+
+def __getattr__(name: str):  # noqa: ANN202 - module attribute hook
+    """``veoptim.lora.SlotTrainer`` (and ``MultiLoRAConfig``), imported on first use: the
+    slot runtime brings the optimizers and checkpointing, which adapters alone do not need."""
+    if name in ("SlotTrainer", "MultiLoRAConfig", "SlotLoss"):
+        from veoptim.lora import slots
+
+        return getattr(slots, name)
+    raise AttributeError(f"module 'veoptim.lora' has no attribute {name!r}")

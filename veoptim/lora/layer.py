@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 DEFAULT_ADAPTER = "default"
@@ -36,6 +38,14 @@ class AdapterSpec:
         return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
 
+class RowRouter(Protocol):
+    """Routes batch rows to adapters (multi-LoRA slots: each row uses its slot's adapter)."""
+
+    def add_deltas(
+        self, layer: LoRALinear, x: torch.Tensor, result: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
 class LoRALinear(nn.Module):
     """``base_layer`` (frozen) plus the adapters in ``lora_A`` / ``lora_B``."""
 
@@ -47,6 +57,8 @@ class LoRALinear(nn.Module):
         self.lora_dropout = nn.ModuleDict()
         self.specs: dict[str, AdapterSpec] = {}
         self.active: tuple[str, ...] = ()
+        #: Set by a multi-LoRA trainer: rows then go to their slot's adapter only.
+        self.router: RowRouter | None = None
         base_layer.requires_grad_(False)
 
     @property
@@ -77,13 +89,23 @@ class LoRALinear(nn.Module):
             nn.init.zeros_(self.lora_B[name].weight)
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """The adapter's contribution ``B(A(dropout(x))) * scaling``."""
-        lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-        x = x.to(lora_a.weight.dtype)
-        return lora_b(lora_a(self.lora_dropout[name](x))) * self.specs[name].scaling
+        """The adapter's contribution ``B(A(dropout(x))) * scaling``.
+
+        An adapter allocated with more rows than its spec's rank (a multi-LoRA slot of
+        a lower rank than the slots' maximum) uses its leading ``r`` rows of A and
+        columns of B; the rest get zero gradients and stay zero.
+        """
+        spec = self.specs[name]
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        if spec.r < a.shape[0]:
+            a, b = a[: spec.r], b[:, : spec.r]
+        x = x.to(a.dtype)
+        return F.linear(F.linear(self.lora_dropout[name](x), a), b) * spec.scaling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
+        if self.router is not None:
+            return self.router.add_deltas(self, x, result)
         for name in self.active:
             result = result + self.delta(name, x).to(result.dtype)
         return result

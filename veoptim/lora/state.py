@@ -67,6 +67,22 @@ def base_fingerprint(model_config: Any, model_path: str, init_seed: int) -> dict
     return {"model_type": config.get("model_type"), "config": _digest(config), **source}
 
 
+def check_base(saved: SavedComponent, fingerprint: dict[str, Any]) -> None:
+    """Refuse adapters saved on another base than ``fingerprint`` names (CheckpointError)."""
+    found = saved.json.get(BASE) if isinstance(saved.json, dict) else None
+    if found == fingerprint:
+        return
+    differs = sorted(
+        k for k in set(fingerprint) | set(found or {}) if (found or {}).get(k) != fingerprint.get(k)
+    )
+    raise CheckpointError(
+        f"the adapters in {saved.path} were trained on another base model ({', '.join(differs)} "
+        f"differ{'s' if len(differs) == 1 else ''}: saved {found}, live {fingerprint}); "
+        "load them on the base they were trained on (the same model.path or model config "
+        "and model.init_seed)."
+    )
+
+
 class LoRAModelState:
     """The trainable (adapter) parameters of ``model``; ``fingerprint`` names its base."""
 
@@ -80,18 +96,7 @@ class LoRAModelState:
         )
 
     def stage(self, saved: SavedComponent) -> Staged:
-        found = saved.json.get(BASE) if isinstance(saved.json, dict) else None
-        if found != self.fingerprint:
-            differs = sorted(
-                k for k in set(self.fingerprint) | set(found or {})
-                if (found or {}).get(k) != self.fingerprint.get(k)
-            )  # fmt: skip
-            raise CheckpointError(
-                f"the adapters in {saved.path} were trained on another base model ({', '.join(differs)} "
-                f"differ{'s' if len(differs) == 1 else ''}: saved {found}, live {self.fingerprint}); "
-                "resume them on the base they were trained on (the same model.path or model config "
-                "and model.init_seed)."
-            )
+        check_base(saved, self.fingerprint)
         live = get_model_state_dict(self.model, options=ADAPTERS_ONLY)
         buffers = {fqn: torch.empty_like(t) for fqn, t in live.items()}
 

@@ -111,7 +111,7 @@ def to_json_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: plain(v) for k, v in group.items()} for group in groups]
 
 
-def _saved_groups(saved: SavedComponent, live_groups: int) -> list[dict[str, Any]]:
+def saved_param_groups(saved: SavedComponent, live_groups: int) -> list[dict[str, Any]]:
     where = f"optimizer param groups of {saved.name} in {saved.path}"
     groups = saved.json.get(PARAM_GROUPS) if isinstance(saved.json, dict) else None
     if not isinstance(groups, list) or len(groups) != live_groups:
@@ -124,7 +124,7 @@ def _saved_groups(saved: SavedComponent, live_groups: int) -> list[dict[str, Any
     return groups
 
 
-def _saved_stateless(
+def saved_stateless(
     saved: SavedComponent, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> set[str]:
     """The saved stateless parameters, each one the optimizer holds."""
@@ -136,6 +136,25 @@ def _saved_stateless(
             f"optimizer holds, found {names!r}."
         )
     return set(names)
+
+
+def check_loadable(state: dict[str, dict[str, Any]], expected: Inventory) -> None:
+    """Refuse to save optimizer state (``{fqn: {key: tensor}}``) that a load would reject:
+    every key of ``expected`` present with its global shape and dtype, nothing else."""
+    found = {
+        f"{fqn}.{key}": TensorSpec(tuple(value.shape), value.dtype)
+        for fqn, entry in state.items()
+        for key, value in entry.items()
+        if isinstance(value, torch.Tensor)
+    }
+    if found != expected:
+        problems = sorted(set(found) ^ set(expected)) or [
+            f"{k} ({found[k]} vs {expected[k]})" for k in sorted(found) if found[k] != expected[k]
+        ]
+        raise CheckpointError(
+            "the optimizer's state does not match what a load of it would expect (a "
+            f"checkpoint of it could not be restored): {', '.join(problems[:8])}."
+        )
 
 
 class OptimizerState:
@@ -159,23 +178,7 @@ class OptimizerState:
         state = full["state"]
         held = [fqn for fqn, _ in trainable_named_params(self.model, self.optimizer)]
         stateless = [fqn for fqn in held if not state.get(fqn)]
-        expected = optimizer_inventory(self.model, self.optimizer, stateless)
-        found = {
-            f"{fqn}.{key}": TensorSpec(tuple(value.shape), value.dtype)
-            for fqn, entry in state.items()
-            for key, value in entry.items()
-            if isinstance(value, torch.Tensor)
-        }
-        if found != expected:
-            problems = sorted(set(found) ^ set(expected)) or [
-                f"{k} ({found[k]} vs {expected[k]})"
-                for k in sorted(found)
-                if found[k] != expected[k]
-            ]
-            raise CheckpointError(
-                "the optimizer's state does not match what a load of it would expect (a "
-                f"checkpoint of it could not be restored): {', '.join(problems[:8])}."
-            )
+        check_loadable(state, optimizer_inventory(self.model, self.optimizer, stateless))
         groups = to_json_param_groups(full[PARAM_GROUPS])
         return ComponentState(tensors=state, json={PARAM_GROUPS: groups, STATELESS: stateless})
 
@@ -187,8 +190,8 @@ class OptimizerState:
                 f"optimizer state in {saved.path} cannot be loaded into this run: {reason}; "
                 "resume with checkpoint.load_optimizer=false to load the model weights only."
             )
-        groups = _saved_groups(saved, len(self.optimizer.param_groups))
-        stateless = _saved_stateless(saved, self.model, self.optimizer)
+        groups = saved_param_groups(saved, len(self.optimizer.param_groups))
+        stateless = saved_stateless(saved, self.model, self.optimizer)
         buffers = optimizer_buffers(self.model, self.optimizer, stateless)
         return Staged(
             expected=optimizer_inventory(self.model, self.optimizer, stateless),

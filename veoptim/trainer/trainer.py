@@ -27,7 +27,13 @@ from veoptim.config.launch import check_launch
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, load_tokenizer, special_token_ids
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
-from veoptim.errors import CheckpointError, DataError, LiveStateInvalidError, PreemptedError
+from veoptim.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    LiveStateInvalidError,
+    PreemptedError,
+)
 from veoptim.lora import apply_lora
 from veoptim.models import build_model
 from veoptim.models.build import check_model_fits
@@ -90,6 +96,12 @@ class Trainer:
         sampler and checkpointer, and register the standard state components."""
         seed_everything(cfg.train.seed)
         check_launch(cfg.parallel, ctx.world_size)  # a multi-rank config in one process
+        if cfg.lora.num_slots:
+            raise ConfigError(
+                f"lora.num_slots={cfg.lora.num_slots} asks for multi-LoRA slots, which the "
+                "multi-LoRA trainer runs (python -m tasks.multi_lora, veoptim.lora.SlotTrainer); "
+                "this task trains one adapter with lora.enabled=true and lora.num_slots=0."
+            )
         tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
         check_model_fits(cfg.model, len(tokenizer), cfg.data.max_seq_len, tokenizer.name_or_path)
         objective = cfg.build_objective(tokenizer)

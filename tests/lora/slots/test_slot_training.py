@@ -1,0 +1,241 @@
+"""Slots train independently: exact continuation through a save and a load into another
+slot, steps and loads that touch no other slot, rows routed to their own slot only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.lora.slots.helpers import (
+    all_states,
+    assert_unchanged,
+    batch,
+    build,
+    differences,
+    train,
+)
+from veoptim.errors import DataError, SlotError
+from veoptim.lora.layer import LoRALinear
+
+K = 3
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """Slots 0-2 after K mixed steps; slot 0 saved as 'alice'."""
+    trainer = build(tmp_path)
+    for slot in range(3):
+        trainer.create_slot(slot)
+    train(trainer, K, [0, 1, 2])
+    trainer.save_slot(0, "alice")
+    return trainer
+
+
+def step_alone(trainer, slot: int, rows: list[int]) -> None:
+    trainer.forward_backward(batch(rows, [slot] * len(rows)))
+    trainer.optim_step(slot)
+
+
+def masters_differ_from_weights(state: dict) -> bool:
+    """Some FP32 master holds bits its BF16 weight lost (so a re-derivation would show)."""
+    return any(
+        not torch.equal(state["master_weight"][n], w.float()) for n, w in state["weights"].items()
+    )
+
+
+def test_exact_continuation_into_a_fresh_slot(trained):
+    saved = trained.slot_state(0)
+    assert saved["steps"] == K and masters_differ_from_weights(saved)
+    trained.load_slot(3, "alice")
+    assert differences(saved, trained.slot_state(3)) == []
+    step_alone(trained, 0, [100, 101])
+    step_alone(trained, 3, [100, 101])
+    after = trained.slot_state(0)
+    assert after["steps"] == K + 1
+    assert differences(after, trained.slot_state(3)) == []
+    assert differences(after, saved) != []  # the step did change slot 0
+
+
+def test_negative_control_bf16_rounded_masters_are_caught(trained):
+    trained.load_slot(3, "alice")
+    optimizer = trained.slots[3].optimizer.optimizer
+    rounded = 0
+    with torch.no_grad():
+        for param in trained.slots[3].params.parameters():
+            master = optimizer.state[param]["master_weight"]
+            bf16 = master.to(torch.bfloat16).float()
+            rounded += int(not torch.equal(bf16, master))
+            master.copy_(bf16)
+    assert rounded > 0
+    found = differences(trained.slot_state(0), trained.slot_state(3))
+    assert found and all(d.startswith("master_weight.") for d in found)
+
+
+def test_negative_control_weights_only_load_is_caught(trained):
+    trained.load_slot(3, "alice", load_optimizer=False)
+    found = differences(trained.slot_state(0), trained.slot_state(3))
+    assert "exp_avg: names differ" in found and "steps" in found
+    step_alone(trained, 0, [100, 101])
+    step_alone(trained, 3, [100, 101])
+    after = differences(trained.slot_state(0), trained.slot_state(3))
+    assert any(d.startswith("weights.") for d in after)
+
+
+def test_loading_one_slot_leaves_every_other_slots_masters_unchanged(trained):
+    train(trained, 1, [0, 1, 2], start=200)  # slot 0 moves on from 'alice'
+    others = {s: trained.slot_state(s) for s in (1, 2)}
+    assert all(masters_differ_from_weights(state) for state in others.values())
+    trained.load_slot(0, "alice")
+    for slot, before in others.items():
+        assert differences(before, trained.slot_state(slot)) == [], f"slot {slot} changed"
+
+
+def test_a_step_updates_only_the_slots_in_the_batch(trained):
+    trained.forward_backward(batch([300, 301], [2, 2]))  # slot 2 has pending gradients
+    before = all_states(trained)
+    trained.train_step(batch([302, 303, 304], [0, 1, 0]))
+    after = all_states(trained)
+    assert differences(before[2], after[2]) == []
+    assert differences(before[0], after[0]) and differences(before[1], after[1])
+    trained.optim_step(2)  # its gradients were kept
+    assert trained.slot_state(2)["steps"] == K + 1
+
+
+def test_optim_step_touches_no_other_slot(trained):
+    trained.forward_backward(batch([300, 301, 302], [0, 1, 2]))
+    before = all_states(trained)
+    trained.optim_step(1)
+    after = all_states(trained)
+    assert differences(before[0], after[0]) == [] and differences(before[2], after[2]) == []
+    assert differences(before[1], after[1])
+
+
+def test_rows_use_only_their_slots_adapter(tmp_path):
+    trainer = build(tmp_path, **{"model.dtype": "fp32"})
+    for slot in (0, 1):
+        trainer.create_slot(slot)
+    train(trainer, 2, [0, 1])  # B != 0: the adapters now change the outputs
+    rows, slots = [400, 401, 402, 403], [1, 0, 0, 1]
+    mixed = logits(trainer, batch(rows, slots))
+    for slot in (0, 1):
+        mine = [i for i, s in enumerate(slots) if s == slot]
+        alone = logits(trainer, batch([rows[i] for i in mine], [slot] * len(mine)))
+        width = alone.shape[1]
+        torch.testing.assert_close(mixed[mine, :width], alone, rtol=1e-5, atol=1e-5)
+    other = logits(trainer, batch(rows, [1 - s for s in slots]))
+    assert not torch.allclose(mixed, other)
+
+
+def logits(trainer, inputs: dict) -> torch.Tensor:
+    trainer.router.route(inputs["slot_ids"], sorted(set(inputs["slot_ids"].tolist())))
+    try:
+        with torch.no_grad():
+            out = trainer.model(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]
+            )
+    finally:
+        trainer.router.clear()
+    return out.logits
+
+
+def test_rows_are_computed_grouped_by_slot(tmp_path, monkeypatch):
+    trainer = build(tmp_path)
+    for slot in (0, 1):
+        trainer.create_slot(slot)
+    calls: list[tuple[str, int]] = []
+    original = LoRALinear.delta
+
+    def counting(self, name, x):
+        calls.append((name, x.shape[0]))
+        return original(self, name, x)
+
+    monkeypatch.setattr(LoRALinear, "delta", counting)
+    trainer.forward_backward(batch(list(range(6)), [0, 1, 0, 1, 1, 0]))
+    layers = len([m for m in trainer.model.modules() if isinstance(m, LoRALinear)])
+    assert sorted(set(calls)) == [("slot_0", 3), ("slot_1", 3)]
+    assert len(calls) == 2 * layers
+
+
+def test_hyperparameters_are_per_slot_and_per_call(trained):
+    trained.create_slot(3, lr=0.0, weight_decay=0.0)
+    frozen = trained.slot_state(3)
+    train(trained, 1, [0, 3], start=500)
+    changed = differences(frozen, trained.slot_state(3))
+    assert "steps" in changed and not [d for d in changed if d.startswith("weights")]
+    trained.forward_backward(batch([510, 511], [0, 0]))
+    trained.optim_step(0, lr=5e-3, betas=(0.8, 0.95), weight_decay=0.0)
+    groups = trained.slot_state(0)["param_groups"]
+    assert all(g["betas"] == [0.8, 0.95] and g["weight_decay"] == 0.0 for g in groups)
+    assert trained.slots[0].optimizer.hyper.lr == 5e-3
+    trained.save_slot(0, "tuned")
+    trained.load_slot(1, "tuned")
+    assert trained.slot_state(1)["param_groups"] == trained.slot_state(0)["param_groups"]
+    assert trained.slots[1].optimizer.hyper == trained.slots[0].optimizer.hyper
+
+
+def test_bad_calls_change_nothing(trained):
+    before = all_states(trained)
+    with pytest.raises(SlotError, match="unknown hyperparameters"):
+        trained.create_slot(3, learning_rate=1.0)
+    with pytest.raises(SlotError, match=r"r must be in \[1, 8\]"):
+        trained.create_slot(3, r=9)
+    with pytest.raises(SlotError, match="already exists"):
+        trained.create_slot(0)
+    with pytest.raises(SlotError, match="does not exist"):
+        trained.forward_backward(batch([1, 2], [0, 3]))
+    with pytest.raises(DataError, match="slot_ids"):
+        trained.forward_backward(batch([1, 2], [0, 7]))
+    with pytest.raises(SlotError, match="no accumulated gradients"):
+        trained.optim_step(1)
+    with pytest.raises(SlotError, match="slot 5: is not a slot index"):
+        trained.optim_step(5)
+    with pytest.raises(SlotError, match="lr"):
+        trained.optim_step(0, lr=-1.0)
+    assert_unchanged(before, trained)
+    assert all(p.grad is None for s in trained.slots.values() for p in s.params.parameters())
+
+
+def test_reset_and_release(tmp_path):
+    trainer = build(tmp_path)
+    trainer.create_slot(0, r=4, seed=7)
+    fresh = trainer.slot_state(0)
+    assert fresh["steps"] == 0 and fresh["master_weight"] == {}
+    train(trainer, 2, [0])
+    trainer.reset_slot(0)
+    assert differences(fresh, trainer.slot_state(0)) == []
+    trainer.release_slot(0)
+    with pytest.raises(SlotError, match="does not exist"):
+        trainer.slot_state(0)
+    with pytest.raises(SlotError, match="does not exist"):
+        trainer.train_step(batch([1], [0]))
+    trainer.create_slot(0, r=4, seed=7)
+    assert differences(fresh, trainer.slot_state(0)) == []
+
+
+def test_a_lower_rank_slot_keeps_its_unused_rank_zero(tmp_path):
+    trainer = build(tmp_path)
+    trainer.create_slot(0, r=3)
+    train(trainer, 3, [0])
+    state = trainer.slot_state(0)
+    for name, weight in state["weights"].items():
+        unused = weight[3:] if ".lora_A." in name else weight[:, 3:]
+        used = weight[:3] if ".lora_A." in name else weight[:, :3]
+        assert not unused.any() and used.any(), name
+
+
+def test_accumulated_gradients_are_the_token_mean(tmp_path):
+    """Two forward_backward calls before a step equal one call with all their rows."""
+    one, two = (
+        build(tmp_path / "one", **{"model.dtype": "fp32"}),
+        build(tmp_path / "two", **{"model.dtype": "fp32"}),
+    )
+    for trainer in (one, two):
+        trainer.create_slot(0)
+    one.forward_backward(batch([600, 601, 602], [0, 0, 0]))
+    two.forward_backward(batch([600], [0]))
+    two.forward_backward(batch([601, 602], [0, 0]))
+    one.optim_step(0)
+    two.optim_step(0)
+    a, b = one.slot_state(0), two.slot_state(0)
+    for name in a["weights"]:
+        torch.testing.assert_close(a["exp_avg"][name], b["exp_avg"][name], rtol=1e-4, atol=1e-9)

@@ -1,0 +1,42 @@
+"""The config of a multi-LoRA (slot) trainer: the shared sections plus ``slots`` and the
+demo's ``data.tasks``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from veoptim.config.schema import DataConfig, TrainerConfig, opt
+from veoptim.errors import ConfigError
+
+
+@dataclass
+class SlotsConfig:
+    keep_last: int = opt(
+        0, "Keep the newest N saves of each slot checkpoint name (0 = all); counted per name."
+    )
+    seed: int = opt(0, "Adapter initialisation seed of slot s is seed + s (create_slot(seed=...)).")
+
+
+@dataclass
+class MultiLoRADataConfig(DataConfig):
+    train_path: str = opt("", "SFT JSONL file the demo draws from; empty = the bundled data.")
+    tasks: list[str] = opt(
+        ["Uppercase", "Reverse", "What is"],
+        "tasks.multi_lora demo: one slot per task; a task is the prefix of the user prompts "
+        "its slot trains on.",
+    )
+
+
+@dataclass
+class MultiLoRAConfig(TrainerConfig):
+    """Root config of ``python -m tasks.multi_lora`` and of ``SlotTrainer.from_config``."""
+
+    data: MultiLoRADataConfig = field(default_factory=MultiLoRADataConfig)
+    slots: SlotsConfig = field(default_factory=SlotsConfig)
+
+    def build_objective(self, tokenizer: Any) -> Any:
+        raise ConfigError(
+            "a multi-LoRA config drives SlotTrainer (python -m tasks.multi_lora), not the "
+            "single-model Trainer."
+        )

@@ -1,0 +1,175 @@
+"""Slot adapters in the model, and the routing of batch rows to them.
+
+Every targeted Linear holds one adapter per slot (``slot_<i>``), each with its own
+parameters allocated at the slots' maximum rank (``lora.r``). Before a forward, the
+:class:`SlotRouter` is told each row's slot; every LoRA layer then sorts its input rows
+by slot once, runs each slot's adapter on that slot's rows as one matrix product pair
+(grouped by slot, never row by row) and adds the deltas back in the original row order.
+A slot that has rows on another rank but none here still runs on zero rows, so its
+parameters get (zero) gradients on every rank and FSDP reduces the same set everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from veoptim.config.schema import LoRAConfig
+from veoptim.errors import ConfigError
+from veoptim.lora.inject import adapter_spec, target_names
+from veoptim.lora.layer import AdapterSpec, LoRALinear
+
+SLOT_PREFIX = "slot_"
+_SLOT_SEGMENT = re.compile(r"\.slot_(\d+)\.")
+
+
+def slot_adapter_name(slot: int) -> str:
+    return f"{SLOT_PREFIX}{slot}"
+
+
+class SlotRouter:
+    """Which rows of the current batch belong to which slot (set per forward)."""
+
+    def __init__(self) -> None:
+        self._order: torch.Tensor | None = None
+        self._inverse: torch.Tensor | None = None
+        self._names: list[str] = []
+        self._splits: list[int] = []
+
+    def route(self, slot_ids: torch.Tensor, slots: Sequence[int]) -> None:
+        """``slot_ids[i]`` is row ``i``'s slot; ``slots`` every slot that runs (sorted, a
+        superset of the slots in ``slot_ids``: those present on any rank)."""
+        order = torch.argsort(slot_ids, stable=True)
+        counts = torch.bincount(slot_ids, minlength=max(slots, default=0) + 1).tolist()
+        self._order, self._inverse = order, torch.argsort(order)
+        self._names = [slot_adapter_name(s) for s in slots]
+        self._splits = [counts[s] if s < len(counts) else 0 for s in slots]
+
+    def clear(self) -> None:
+        self._order = self._inverse = None
+
+    def add_deltas(self, layer: LoRALinear, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        if self._order is None or self._inverse is None:
+            raise RuntimeError(
+                "a multi-LoRA model was called without slot routing; run it through SlotTrainer "
+                "(or SlotRouter.route) so each row uses its slot's adapter."
+            )
+        chunks = torch.split(x.index_select(0, self._order), self._splits)
+        deltas = [layer.delta(name, chunk) for name, chunk in zip(self._names, chunks, strict=True)]
+        delta = torch.cat(deltas).index_select(0, self._inverse)
+        return result + delta.to(result.dtype)
+
+
+def apply_slot_lora(model: nn.Module, cfg: LoRAConfig, num_slots: int) -> SlotRouter:
+    """Freeze ``model`` and give every target Linear ``num_slots`` adapters of rank
+    ``cfg.r`` (each slot's maximum), all routed by one :class:`SlotRouter`."""
+    if num_slots < 1:
+        raise ConfigError(f"lora.num_slots must be >= 1 for multi-LoRA, got {num_slots}.")
+    if cfg.target_experts:
+        raise ConfigError(
+            "multi-LoRA slots adapt Linear layers only; lora.target_experts must be empty with "
+            f"lora.num_slots, got {list(cfg.target_experts)}."
+        )
+    if cfg.r <= 0 or cfg.alpha <= 0 or not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(
+            f"lora.r and lora.alpha must be > 0 and lora.dropout in [0, 1), got r={cfg.r}, "
+            f"alpha={cfg.alpha}, dropout={cfg.dropout}."
+        )
+    names = target_names(model, cfg)
+    model.requires_grad_(False)
+    router = SlotRouter()
+    spec = adapter_spec(cfg)
+    with torch.random.fork_rng(devices=[]):  # placeholders: every slot is re-initialised on create
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            layer = LoRALinear(getattr(parent, child))
+            for slot in range(num_slots):
+                layer.add_adapter(slot_adapter_name(slot), spec)
+            layer.active = ()
+            layer.router = router
+            setattr(parent, child, layer)
+    return router
+
+
+def slot_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+class SlotParams:
+    """One slot's parameters under slot-independent names (``...q_proj.lora_A.weight``), so
+    a slot's checkpoint loads into any slot. Quacks like a module for the optimizer builder
+    and checkpoint helpers (``named_parameters`` / ``parameters``)."""
+
+    def __init__(self, model: nn.Module, slot: int) -> None:
+        adapter = slot_adapter_name(slot)
+        self.slot = slot
+        self.layers = slot_layers(model)
+        self.named: list[tuple[str, nn.Parameter]] = [
+            (f"{fqn}.{kind}.weight", getattr(layer, kind)[adapter].weight)
+            for fqn, layer in self.layers.items()
+            for kind in ("lora_A", "lora_B")
+        ]
+        self.adapter = adapter
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self.named)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.named)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named)
+
+    def set_spec(self, spec: AdapterSpec) -> None:
+        for layer in self.layers.values():
+            layer.specs[self.adapter] = spec
+
+    @property
+    def spec(self) -> AdapterSpec:
+        return next(iter(self.layers.values())).specs[self.adapter]
+
+    @torch.no_grad()
+    def initialise(self, seed: int, spec: AdapterSpec) -> None:
+        """Fresh adapters: A Kaiming-uniform (PEFT's ``a = sqrt(5)``) in its leading ``r``
+        rows, zero elsewhere; B zero. Drawn from ``seed`` as full tensors, so every rank
+        and every layout gets the same values; each rank keeps its shard."""
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.named:
+            full = torch.zeros(param.shape, dtype=torch.float32)
+            if ".lora_A." in name:
+                bound = 1.0 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=sqrt(5))
+                full[: spec.r].uniform_(-bound, bound, generator=generator)
+            local_shard(param).copy_(shard_of(param, full))
+        self.set_spec(spec)
+
+    @torch.no_grad()
+    def zero_(self) -> None:
+        for _, param in self.named:
+            local_shard(param).zero_()
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` (a whole tensor shaped like ``param``)."""
+    if not isinstance(param, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    return full[index]
+
+
+def canonical_name(fqn: str) -> str:
+    """A slot parameter's name without its slot (``...lora_A.slot_3.weight`` -> ``...lora_A.weight``)."""
+    return _SLOT_SEGMENT.sub(".", fqn, count=1)

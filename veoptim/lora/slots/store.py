@@ -1,0 +1,161 @@
+"""Where slot checkpoints live, and how a reference to one is resolved.
+
+Layout: ``<slots root>/<name>/`` per slot checkpoint name (one tenant's), holding one
+published checkpoint per save, named ``save_<6 digits>`` (relative links to immutable
+versions, see ``docs/checkpoints.md``). A save never re-points an older save, so
+repeated saves of one name are distinct versions, and ``keep_last`` prunes within that
+name's directory only: one tenant's retention cannot reach another's saves.
+
+A reference is ``<name>`` (its newest complete save), ``<name>/save_000003`` (that
+save), or a path inside the slots root (e.g. the version directory a save returned).
+Names are validated and anything resolving outside the root is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from veoptim.checkpoint import contents as C
+from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.component import StateComponent
+from veoptim.checkpoint.faults import FaultHook
+from veoptim.checkpoint.layout import validate_name
+from veoptim.checkpoint.publish import Published
+from veoptim.checkpoint.resolve import (
+    is_within,
+    latest_complete,
+    published_names,
+    resolve,
+    resolve_path,
+)
+from veoptim.checkpoint.validate import check_info, read_json
+from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank
+from veoptim.errors import CheckpointError
+
+SAVE_NAME = "save_{:06d}"
+_SAVE_PATTERN = re.compile(r"^save_(\d{6,})$")
+
+
+class SlotStore:
+    """Saves and resolves slot checkpoints under ``root`` (collective calls)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        keep_last: int = 0,
+        fsync: bool = True,
+        write_threads: int = 2,
+        group: Any = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.root = Path(root)
+        #: Called at every save/load phase (tests inject failures with it).
+        self.fault_hook = fault_hook
+        self.keep_last, self.fsync, self.write_threads, self.group = (
+            keep_last,
+            fsync,
+            write_threads,
+            group,
+        )
+
+    def _checkpointer(self, root: Path) -> Checkpointer:
+        return Checkpointer(
+            root,
+            keep_last=self.keep_last,
+            fsync=self.fsync,
+            write_threads=self.write_threads,
+            group=self.group,
+            fault_hook=self.fault_hook,
+        )
+
+    def save(
+        self,
+        name: str,
+        components: Mapping[str, StateComponent],
+        *,
+        layout: dict[str, Any],
+        weights_only: bool,
+    ) -> Published:
+        """Publish ``components`` as the next save of ``name``."""
+        root = self.root / validate_name(name)
+        sequence = self._next_sequence(root)
+        return self._checkpointer(root).save(
+            components,
+            SAVE_NAME.format(sequence),
+            step=sequence,
+            layout=layout,
+            weights_only=weights_only,
+        )
+
+    def load(self, components: Mapping[str, StateComponent], path: Path, *, exact: bool) -> None:
+        """Validate, read and apply ``path`` into ``components`` (the checkpointer's phases)."""
+        self._checkpointer(self.root).load(components, path, exact=exact)
+
+    def _next_sequence(self, root: Path) -> int:
+        """1 + the highest save number published under ``root`` (rank 0 looks; agreed)."""
+        found: int | None = None
+        outcome: bool | BaseException = True
+        if rank(self.group) == 0:
+            try:
+                numbers = [
+                    int(m.group(1))
+                    for n in published_names(root)
+                    if (m := _SAVE_PATTERN.match(n)) is not None
+                ]
+                found = max(numbers, default=0) + 1
+            except Exception as exc:
+                outcome = exc
+        agree(outcome, f"listing the saves in {root}", self.group)
+        return int(broadcast_from_rank0(found, self.group))
+
+    def resolve(self, ref: str | os.PathLike[str]) -> tuple[Path, bool]:
+        """The complete version ``ref`` names and whether it is weights-only (rank 0
+        resolves once; agreed)."""
+        found: tuple[str, bool] | None = None
+        outcome: bool | BaseException = True
+        if rank(self.group) == 0:
+            try:
+                path = self._resolve_here(ref)
+                info = check_info(read_json(path / C.INFO_FILE), path)
+                found = (str(path), bool(info.get(C.INFO_WEIGHTS_ONLY)))
+            except Exception as exc:
+                outcome = exc
+        agree(outcome, f"resolving slot checkpoint {str(ref)!r}", self.group)
+        path_text, weights_only = broadcast_from_rank0(found, self.group)
+        return Path(path_text), weights_only
+
+    def _resolve_here(self, ref: str | os.PathLike[str]) -> Path:
+        text = os.fspath(ref)
+        if not os.path.isabs(text):
+            parts = text.split("/")
+            if len(parts) > 2:
+                raise CheckpointError(
+                    f"slot checkpoint reference {text!r} must be '<name>', '<name>/<save>' or a "
+                    f"path inside {self.root}."
+                )
+            name_root = self.root / validate_name(parts[0])
+            if len(parts) == 2:
+                return resolve(name_root, validate_name(parts[1]))
+            latest = latest_complete(name_root)
+            if latest is None:
+                raise CheckpointError(
+                    f"there is no complete slot checkpoint named {parts[0]!r} in {self.root}."
+                )
+            return resolve(name_root, latest)
+        path = Path(text)
+        if not is_within(path.parent, self.root):
+            raise CheckpointError(
+                f"slot checkpoint path {path} is outside the slot checkpoint root {self.root}."
+            )
+        resolved = resolve_path(path)
+        if not is_within(resolved, self.root):
+            raise CheckpointError(
+                f"slot checkpoint path {path} resolves to {resolved}, outside the slot "
+                f"checkpoint root {self.root}."
+            )
+        return resolved
