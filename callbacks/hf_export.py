@@ -90,10 +90,10 @@ class HFExportCallback(Callback):
         """The PEFT adapter directory; a base built from config is exported once beside it."""
         root, step = trainer.run_dir / EXPORTS_SUBDIR, trainer.progress.global_step
         if broadcast_from_rank0(
-            needs_base_export(trainer.cfg, root) if trainer.ctx.is_main else None
+            needs_base_export(trainer.cfg, root, trainer.model) if trainer.ctx.is_main else None
         ):
             publish_base(base_state(trainer.model), trainer.model, trainer.tokenizer, root,
-                         step=step, dtype=self.cfg.dtype, max_shard_size_mb=self.cfg.max_shard_size_mb,
+                         cfg=trainer.cfg, step=step, dtype=self.cfg.dtype, max_shard_size_mb=self.cfg.max_shard_size_mb,
                          fsync=self.fsync, is_main=trainer.ctx.is_main)  # fmt: skip
             log.info("exported the frozen base model to %s", root / BASE_EXPORT)
         adapter = peft_adapter_state(trainer.model)  # collective

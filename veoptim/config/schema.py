@@ -161,15 +161,6 @@ class LoRAConfig:
 
 
 @dataclass
-class SlotsConfig:
-    """Multi-LoRA slot checkpoints (``SlotTrainer``)."""
-
-    keep_last: int = opt(
-        0, "Keep the newest N saves of each slot checkpoint name (0 = keep all); per name."
-    )
-
-
-@dataclass
 class ParallelConfig:
     dp_replicate: int = opt(1, "Replicated data-parallel degree (HSDP outer dim).")
     dp_shard: int = opt(-1, "FSDP2 sharding degree; -1 fills the rest of the world size.")

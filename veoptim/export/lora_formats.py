@@ -8,6 +8,8 @@ checked against the fingerprint, and the adapters are read into it from DCP.
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,9 @@ from veoptim.state.model import module_inventory
 
 #: The base model exported once beside the adapters of a run whose base was built from config.
 BASE_EXPORT = "hf_base"
+#: The base's fingerprint inside ``hf_base`` (a reused run dir may hold another base).
+BASE_FINGERPRINT_FILE = "veoptim_base.json"
+log = logging.getLogger(__name__)
 
 
 def base_reference(cfg: TrainerConfig, exports_root: Path) -> str:
@@ -49,22 +54,48 @@ def base_reference(cfg: TrainerConfig, exports_root: Path) -> str:
     )
 
 
-def needs_base_export(cfg: TrainerConfig, exports_root: Path) -> bool:
-    """A base built from config has no directory yet: export it once (rank 0 looks)."""
-    return not cfg.model.path and read_link(exports_root, BASE_EXPORT) is None
+def needs_base_export(cfg: TrainerConfig, exports_root: Path, model: nn.Module) -> bool:
+    """A base built from config has no directory: export it once, and again when
+    ``hf_base`` holds another base (a reused run dir, say) — rank 0 looks."""
+    if cfg.model.path:
+        return False
+    if read_link(exports_root, BASE_EXPORT) is None:
+        return True
+    marker = exports_root / BASE_EXPORT / BASE_FINGERPRINT_FILE
+    try:
+        found = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        found = None
+    if found == exported_base_fingerprint(cfg, model):
+        return False
+    log.warning(
+        "%s holds another base model than this run's (%s); publishing this run's base there "
+        "(adapters exported earlier name the path, which now holds the new base).",
+        exports_root / BASE_EXPORT, marker.name,
+    )  # fmt: skip
+    return True
+
+
+def exported_base_fingerprint(cfg: TrainerConfig, model: nn.Module) -> dict[str, Any]:
+    """What identifies a base built from config: its config and ``model.init_seed``."""
+    return base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
 
 
 def publish_base(
     state: dict[str, torch.Tensor], model: nn.Module, tokenizer: Any, root: Path, *,
-    step: int, dtype: str, max_shard_size_mb: int, fsync: bool, is_main: bool = True,
+    cfg: TrainerConfig, step: int, dtype: str, max_shard_size_mb: int, fsync: bool,
+    is_main: bool = True,
 ) -> None:  # fmt: skip
-    """Publish the frozen base (``state`` with the base's own key names) as ``hf_base``."""
+    """Publish the frozen base (``state`` with the base's own key names) as ``hf_base``,
+    with its fingerprint (``veoptim_base.json``) to recognise it later."""
     with Publisher(root, fsync=fsync).write(BASE_EXPORT, kind=KIND_HF_EXPORT, step=step,
                                             prunable=False) as out:  # fmt: skip
         if is_main:
             write_hf_export(
                 state, model, tokenizer, out, dtype=dtype, max_shard_size_mb=max_shard_size_mb
             )
+            fingerprint = exported_base_fingerprint(cfg, model)
+            (out / BASE_FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=1) + "\n")
 
 
 def write_adapter_dir(
@@ -102,8 +133,8 @@ def write_peft(source: CheckpointSource, out_dir: Path, options: Any) -> None:
     as ``<out>/hf_base`` beside it (before the adapter is published)."""
     model = lora_model(source)
     root = out_dir.parent.parent  # <root>/.versions/<version>
-    if needs_base_export(source.cfg, root):
-        publish_base(base_state(model), model, source.tokenizer, root, step=source.step,
+    if needs_base_export(source.cfg, root, model):
+        publish_base(base_state(model), model, source.tokenizer, root, cfg=source.cfg, step=source.step,
                      dtype=options.dtype, max_shard_size_mb=options.max_shard_size_mb,
                      fsync=True)  # fmt: skip
     write_adapter_dir(

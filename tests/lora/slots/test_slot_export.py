@@ -41,3 +41,19 @@ def test_exported_slots_load_in_peft_and_reproduce_their_outputs(tmp_path):
         torch.testing.assert_close(peft_logits(model), slot_logits(trainer, slot))
     # The adapters differ, so each export reproduces its own slot only.
     assert not torch.allclose(slot_logits(trainer, 0), slot_logits(trainer, 1))
+
+
+def test_a_reused_run_dir_republishes_a_base_of_another_seed(tmp_path):
+    """exports/hf_base of an earlier run with another base is replaced, not reused."""
+    overrides = {"model.dtype": "fp32", "export.dtype": "preserve"}
+    first = build(tmp_path, **overrides)
+    first.create_slot(0)
+    first.export_slot(0, "first")
+    second = build(tmp_path, **{**overrides, "model.init_seed": 7})
+    second.create_slot(0)
+    train(second, 2, [0])
+    out = second.export_slot(0, "second")
+    config = json.loads((out / "adapter_config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    model = load_peft_strictly(base, out)
+    torch.testing.assert_close(peft_logits(model), slot_logits(second, 0))

@@ -39,8 +39,8 @@ def publish_slot_adapter(
     (collective). A base built from config is published once as ``<exports_root>/hf_base``
     and named as the adapter's base, so PEFT can load it without this process."""
     fsync = cfg.checkpoint.fsync
-    if broadcast_from_rank0(needs_base_export(cfg, exports_root) if is_main else None):
-        publish_base(base_state(model), model, tokenizer, exports_root, step=0,
+    if broadcast_from_rank0(needs_base_export(cfg, exports_root, model) if is_main else None):
+        publish_base(base_state(model), model, tokenizer, exports_root, cfg=cfg, step=0,
                      dtype=cfg.export.dtype, max_shard_size_mb=cfg.export.max_shard_size_mb,
                      fsync=fsync, is_main=is_main)  # fmt: skip
     spec = params.spec
