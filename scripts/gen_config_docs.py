@@ -11,7 +11,7 @@ import typing
 
 from veoptim.config.schema import TrainerConfig
 from veoptim.lora.slots import MultiLoRAConfig
-from veoptim.objectives import SFTConfig
+from veoptim.objectives import DPOConfig, SFTConfig
 
 HEADER = """# Config reference
 
@@ -19,7 +19,7 @@ Generated from the config dataclasses (`veoptim/config/schema.py` and the SFT
 task's `veoptim/objectives/sft.py`) by `scripts/gen_config_docs.py`
 (`make docs`); a test fails when this page and the dataclasses disagree.
 Override any key on the command line: `python -m tasks.sft optim.lr=1e-4`.
-`tasks.multi_lora` shares every section and changes the ones listed at the end.
+`tasks.dpo` and `tasks.multi_lora` share every section and change the ones listed at the end.
 Choose a config group file with `group=name` (e.g. `optim=master_fp32_adamw`,
 `model=tiny_moe`, `parallel=fsdp`, `scheduler=wsd`); the files live under
 `configs/<group>/`.
@@ -48,6 +48,21 @@ def _rows(cls: type, prefix: str) -> list[str]:
     return rows
 
 
+def _task_sections(task: str, intro: str, config: type) -> list[str]:
+    """The sections of a task's config that differ from the shared ones."""
+    out = [f"\n## `{task}`\n", intro]
+    shared = typing.get_type_hints(TrainerConfig)
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        if shared.get(f.name) is hints[f.name]:
+            continue
+        out.append(f"\n### `{f.name}`\n")
+        out.append("| key | type | default | meaning |")
+        out.append("| --- | --- | --- | --- |")
+        out += _rows(hints[f.name], f"{f.name}.")
+    return out
+
+
 def render() -> str:
     out = [HEADER]
     hints = typing.get_type_hints(SFTConfig)
@@ -56,20 +71,17 @@ def render() -> str:
         out.append("| key | type | default | meaning |")
         out.append("| --- | --- | --- | --- |")
         out += _rows(hints[f.name], f"{f.name}.")
-    out.append("\n## `tasks.multi_lora`\n")
-    out.append(
-        "Its config (`veoptim/lora/slots/config.py`) replaces `data` and adds `slots`; "
-        "`lora.num_slots` and `lora.r` (each slot's maximum rank) matter there."
+    out += _task_sections(
+        "tasks.dpo",
+        "Its config (`veoptim/objectives/dpo.py`) replaces `data` and adds `dpo`.",
+        DPOConfig,
     )
-    shared = typing.get_type_hints(TrainerConfig)
-    hints = typing.get_type_hints(MultiLoRAConfig)
-    for f in dataclasses.fields(MultiLoRAConfig):
-        if shared.get(f.name) is hints[f.name]:
-            continue
-        out.append(f"\n### `{f.name}`\n")
-        out.append("| key | type | default | meaning |")
-        out.append("| --- | --- | --- | --- |")
-        out += _rows(hints[f.name], f"{f.name}.")
+    out += _task_sections(
+        "tasks.multi_lora",
+        "Its config (`veoptim/lora/slots/config.py`) replaces `data` and adds `slots`; "
+        "`lora.num_slots` and `lora.r` (each slot's maximum rank) matter there.",
+        MultiLoRAConfig,
+    )
     return "\n".join(out) + "\n"
 
 

@@ -9,6 +9,12 @@ reversing, upper-casing and repeating words of a small closed vocabulary; about
 a tenth of the examples are two-turn chats. Words are quoted in prompts so that
 they tokenize the same way in the prompt and in the response. The tokenizer is
 a byte-level BPE (vocab 512) trained on the rendered conversations.
+
+The preference pairs (DPO) turn every SFT conversation into one pair: its context (all
+but the last answer), the correct answer as ``chosen`` and a corrupted one as
+``rejected`` — a sum off by 1-9, the word not reversed or reversed wrongly, the word
+lower- or title-case, a repeated phrase with one word swapped or dropped: plausible near
+misses, so the preference is learnable but not trivial.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import filecmp
 import json
 import random
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +39,7 @@ from veoptim.data.chat_format import (
 )
 from veoptim.data.paths import (
     ASSETS_DIR,
+    DPO_PAIRS_FILE,
     SFT_SAMPLE_FILE,
     SFT_TRAIN_FILE,
     TOKENIZER_DIR,
@@ -131,11 +139,62 @@ def generate(out_dir: Path) -> None:
     write_jsonl(out_dir / SFT_TRAIN_FILE, [{"messages": m} for m in chats])
     pairs = [make_turn(rng) for _ in range(NUM_SAMPLE_PAIRS)]
     write_jsonl(out_dir / SFT_SAMPLE_FILE, [{"prompt": p, "response": r} for p, r in pairs])
+    write_jsonl(out_dir / DPO_PAIRS_FILE, make_pairs(out_dir / SFT_TRAIN_FILE))
     renderer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.BPE()), chat_template=CHAT_TEMPLATE
     )
     texts = [renderer.apply_chat_template(m, tokenize=False) for m in chats]
     write_tokenizer(train_tokenizer(texts), out_dir / TOKENIZER_DIR)
+
+
+PAIRS_SEED = 20241201
+_ADD = re.compile(r"^What is (\d+)\+(\d+)\?$")
+_QUOTED = re.compile(r'^(Reverse|Uppercase|Repeat) "(.+)"$')
+
+
+def corrupt(prompt: str, answer: str, rng: random.Random) -> str:
+    """A wrong answer to ``prompt`` close to the right one (never equal to it)."""
+    if match := _ADD.match(prompt):
+        total = int(match.group(1)) + int(match.group(2))
+        wrong = total + rng.choice([d for d in range(-9, 10) if d and total + d >= 0])
+        return str(wrong)
+    match = _QUOTED.match(prompt)
+    if match is None:
+        raise ValueError(f"unknown bundled task prompt {prompt!r}")
+    task, text = match.groups()
+    candidates: list[str]
+    if task == "Reverse":
+        letters = list(answer)
+        i = rng.randrange(len(letters) - 1)
+        letters[i], letters[i + 1] = letters[i + 1], letters[i]
+        candidates = [text, "".join(letters)]
+    elif task == "Uppercase":
+        candidates = [text, text.capitalize(), answer[:-1] + answer[-1].lower()]
+    else:
+        words = answer.split()
+        i = rng.randrange(len(words))
+        swapped = [*words[:i], rng.choice([w for w in WORDS if w != words[i]]), *words[i + 1 :]]
+        candidates = [" ".join(swapped)]
+        if len(words) > 1:
+            candidates.append(" ".join(words[:i] + words[i + 1 :]))
+    wrong = [c for c in candidates if c != answer]
+    return rng.choice(wrong)
+
+
+def make_pairs(sft_file: Path) -> list[dict]:
+    rng = random.Random(PAIRS_SEED)
+    pairs = []
+    for line in sft_file.read_text(encoding="utf-8").splitlines():
+        messages = json.loads(line)["messages"]
+        *context, last = messages
+        pairs.append(
+            {
+                "messages": context,
+                "chosen": last["content"],
+                "rejected": corrupt(context[-1]["content"], last["content"], rng),
+            }
+        )
+    return pairs
 
 
 def same_tree(a: Path, b: Path) -> bool:

@@ -173,6 +173,9 @@ class EveryTokenObjective:
         self.num_examples = len(self.rows)
         self.data_fingerprint = f"every-token:{sum(len(r) for r in self.rows)}"
 
+    def setup(self, model: torch.nn.Module, starting_model: Any) -> None:
+        pass
+
     def micro_batch(self, indices: list[int]) -> MicroBatch:
         rows = [self.rows[i] for i in indices]
         ids = torch.full((len(rows), max(len(r) for r in rows)), self.pad_id, dtype=torch.long)

@@ -41,7 +41,7 @@ def _messages_from_record(record: Any, where: str) -> list[Message]:
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, found {type(record).__name__}.")
     if KEY_MESSAGES in record:
-        return _validate_messages(record[KEY_MESSAGES], where)
+        return validate_messages(record[KEY_MESSAGES], where)
     if KEY_PROMPT in record or KEY_RESPONSE in record:
         for key in (KEY_PROMPT, KEY_RESPONSE):
             if key not in record:
@@ -62,7 +62,9 @@ def _messages_from_record(record: Any, where: str) -> list[Message]:
     )
 
 
-def _validate_messages(messages: Any, where: str) -> list[Message]:
+def validate_messages(messages: Any, where: str, last_role: str = ROLE_ASSISTANT) -> list[Message]:
+    """Validated messages that end with a ``last_role`` turn (SFT: the trained response;
+    a preference pair's context: the user turn the responses answer)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(
             f"{where}: expected 'messages' to be a non-empty list, found {messages!r:.60}."
@@ -84,10 +86,12 @@ def _validate_messages(messages: Any, where: str) -> list[Message]:
         if role == ROLE_SYSTEM and i != 0:
             raise DataError(f"{at}: a 'system' message is only allowed first.")
         out.append({KEY_ROLE: role, KEY_CONTENT: content})
-    if out[-1][KEY_ROLE] != ROLE_ASSISTANT:
+    if out[-1][KEY_ROLE] != last_role:
+        what = "the trained response" if last_role == ROLE_ASSISTANT else "the context"
         raise DataError(
-            f"{where}: expected the conversation to end with an 'assistant' message "
-            f"(the trained response), found {out[-1][KEY_ROLE]!r}."
+            f"{where}: expected the conversation to end with "
+            f"{'an' if last_role == ROLE_ASSISTANT else 'a'} '{last_role}' message "
+            f"({what}), found {out[-1][KEY_ROLE]!r}."
         )
     return out
 

@@ -58,15 +58,19 @@ def _render(
 
 
 def trained_spans(
-    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, where: str
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: Conversation,
+    where: str,
+    last_turn_only: bool = False,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered text and the ``[start, end)`` character spans of its assistant turns."""
+    """The rendered text and the ``[start, end)`` character spans of its assistant turns
+    (only the final one with ``last_turn_only``: a preference pair's response)."""
     messages = conversation.messages
     try:
         text = _render(tokenizer, messages, generation_prompt=False)
         spans = []
         for j, message in enumerate(messages):
-            if message["role"] != ROLE_ASSISTANT:
+            if message["role"] != ROLE_ASSISTANT or (last_turn_only and j < len(messages) - 1):
                 continue
             before = _render(tokenizer, messages[:j], generation_prompt=True)
             through = _render(tokenizer, messages[: j + 1], generation_prompt=False)
@@ -105,12 +109,16 @@ def tokenize_conversations(
     tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
     path: Path,
+    last_turn_only: bool = False,
 ) -> tuple[list[Example], Truncation]:
-    """``input_ids`` and ``labels`` (-100 outside assistant turns), truncated to ``max_seq_len``.
+    """``input_ids`` and ``labels`` (-100 outside assistant turns, or outside the final one
+    with ``last_turn_only``), truncated to ``max_seq_len``.
 
     Returns the examples and what truncation cut off.
     """
-    rendered = [trained_spans(tokenizer, c, f"{path}:{c.line}") for c in conversations]
+    rendered = [
+        trained_spans(tokenizer, c, f"{path}:{c.line}", last_turn_only) for c in conversations
+    ]
     encoded = tokenizer(
         [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
     )

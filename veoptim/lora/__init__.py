@@ -1,7 +1,13 @@
 """LoRA: adapters on a frozen base (layer, injection, checkpoint state, PEFT export)."""
 
 from veoptim.lora.experts import LoRAExperts
-from veoptim.lora.inject import apply_lora, lora_experts, lora_layers, target_names
+from veoptim.lora.inject import (
+    adapters_disabled,
+    apply_lora,
+    lora_experts,
+    lora_layers,
+    target_names,
+)
 from veoptim.lora.layer import DEFAULT_ADAPTER, AdapterSpec, LoRALinear
 
 __all__ = [
@@ -9,6 +15,7 @@ __all__ = [
     "AdapterSpec",
     "LoRAExperts",
     "LoRALinear",
+    "adapters_disabled",
     "apply_lora",
     "lora_experts",
     "lora_layers",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -110,3 +112,19 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 def lora_experts(model: nn.Module) -> dict[str, LoRAExperts]:
     """``{full name: module}`` of every adapted fused-experts module."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRAExperts)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` as its frozen base: every adapter (Linear and expert) inactive inside
+    the block, restored after it. The base needs no second copy (DPO's reference)."""
+    layers: list[nn.Module] = [*lora_layers(model).values()]
+    layers += [experts.adapters for experts in lora_experts(model).values()]
+    saved = [layer.active for layer in layers]
+    for layer in layers:
+        layer.active = ()
+    try:
+        yield model
+    finally:
+        for layer, active in zip(layers, saved, strict=True):
+            layer.active = active

@@ -1,5 +1,15 @@
 """Objectives: a task's data and loss, plugged into the task-agnostic trainer loop."""
 
+from veoptim.objectives.dpo import DPOConfig, DPOObjective, preference_loss, sequence_logps
 from veoptim.objectives.sft import SFTConfig, SFTDataConfig, SFTObjective, summed_token_loss
 
-__all__ = ["SFTConfig", "SFTDataConfig", "SFTObjective", "summed_token_loss"]
+__all__ = [
+    "DPOConfig",
+    "DPOObjective",
+    "SFTConfig",
+    "SFTDataConfig",
+    "SFTObjective",
+    "preference_loss",
+    "sequence_logps",
+    "summed_token_loss",
+]

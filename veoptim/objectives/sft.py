@@ -6,7 +6,7 @@ FP32); the trainer divides by the global count of labelled tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,9 @@ class SFTObjective:
         self.dataset, self.pad_id = dataset, pad_id
         self.num_examples = len(dataset)
         self.data_fingerprint = dataset.fingerprint
+
+    def setup(self, model: torch.nn.Module, starting_model: Callable[[], torch.nn.Module]) -> None:
+        """SFT needs no reference model."""
 
     def micro_batch(self, indices: list[int]) -> MicroBatch:
         batch = collate([self.dataset[i] for i in indices], self.pad_id)

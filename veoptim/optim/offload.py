@@ -11,12 +11,17 @@ part of are waited for. Slots are allocated once (pinned where the device is an
 accelerator) and reused across chunks and parameters, so pinned memory stays at
 ``3 * chunk * 4`` bytes whatever the model size. On a CPU-only run the same
 chunked code runs with plain synchronous copies.
+
+Everything device-specific (pinned allocation, non-blocking copies, events on
+the device's current stream) is the device's :class:`Accelerator`
+(``veoptim/distributed/device.py``): the same code runs on cuda and Ascend npu.
 """
 
 from __future__ import annotations
 
 import torch
 
+from veoptim.distributed.device import Event, accelerator
 from veoptim.optim.fused_engine import Hyper, Scratch, UpdateBatch, _widen, align_chunk
 from veoptim.optim.rounding import write_back_
 
@@ -28,7 +33,7 @@ class _Slot:
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None
-        self.event: torch.Event | None = None
+        self.event: Event | None = None
 
     def wait(self) -> None:
         if self.event is not None:
@@ -42,7 +47,7 @@ class StagingBuffer:
     def __init__(self, chunk: int, device: torch.device) -> None:
         self.chunk = align_chunk(chunk)
         self.device = device
-        self.async_copies = device.type != "cpu"
+        self.accel = accelerator(device)
         self._grad = [_Slot(), _Slot()]
         self._out = _Slot()
         self.allocations = 0  # number of slot (re)allocations, for tests and benchmarks
@@ -52,20 +57,18 @@ class StagingBuffer:
         if slot.buf is None or slot.buf.numel() < nbytes:
             slot.wait()  # never free or replace a buffer a transfer still uses
             size = max(nbytes, self.chunk * _SLOT_ITEMSIZE)
-            slot.buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.async_copies)
+            slot.buf = self.accel.host_buffer(size)
             self.allocations += 1
         return slot.buf[:nbytes].view(dtype)
 
     def _record(self, slot: _Slot) -> None:
-        if self.async_copies:
-            slot.event = torch.Event(device=self.device)
-            slot.event.record()
+        slot.event = self.accel.record_event(self.device)
 
     def fetch(self, k: int, src: torch.Tensor) -> None:
         """Start copying a device gradient segment into grad slot ``k % 2``."""
         slot = self._grad[k % 2]
         slot.wait()
-        self._view(slot, src.numel(), src.dtype).copy_(src, non_blocking=self.async_copies)
+        self.accel.copy_(self._view(slot, src.numel(), src.dtype), src)
         self._record(slot)
 
     def fetched(self, k: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -81,7 +84,7 @@ class StagingBuffer:
 
     def push(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy the write-back slot contents ``src`` to the device segment ``dst``."""
-        dst.copy_(src, non_blocking=self.async_copies)
+        self.accel.copy_(dst, src)
         self._record(self._out)
 
     def drain(self) -> None:

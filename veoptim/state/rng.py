@@ -1,4 +1,8 @@
-"""RNG states (Python, NumPy, torch CPU and device) as JSON, so nothing is unpickled on load."""
+"""RNG states (Python, NumPy, torch CPU and device) as JSON, so nothing is unpickled on load.
+
+The device state (cuda or Ascend npu) is read and written through the device's
+:class:`~veoptim.distributed.device.Accelerator`; the host has none.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import torch
 
 from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
 from veoptim.checkpoint.contents import INFO_WORLD_SIZE
+from veoptim.distributed.device import accelerator
 from veoptim.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -18,21 +23,17 @@ log = logging.getLogger(__name__)
 RNG_KEYS = ("python", "numpy", "torch_cpu", "device")
 
 
-def _device_module(device: torch.device) -> Any | None:
-    return None if device.type == "cpu" else getattr(torch, device.type, None)
-
-
 def capture_rng(device: torch.device) -> dict[str, Any]:
     """This process's RNG states as JSON-ready values."""
     version, mt_state, gauss = random.getstate()
     np_state = np.random.get_state(legacy=False)
     np_state["state"]["key"] = np_state["state"]["key"].tolist()
-    module = _device_module(device)
+    device_state = accelerator(device).get_rng_state(device)
     return {
         "python": [version, list(mt_state), gauss],
         "numpy": np_state,
         "torch_cpu": torch.get_rng_state().tolist(),
-        "device": None if module is None else module.get_rng_state().tolist(),
+        "device": None if device_state is None else device_state.tolist(),
     }
 
 
@@ -54,9 +55,8 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
     np_state["state"]["key"] = np.asarray(np_state["state"]["key"], dtype=np.uint32)
     np.random.set_state(np_state)
     torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
-    module = _device_module(device)
-    if module is not None and state["device"] is not None:
-        module.set_rng_state(torch.tensor(state["device"], dtype=torch.uint8))
+    if state["device"] is not None:
+        accelerator(device).set_rng_state(torch.tensor(state["device"], dtype=torch.uint8), device)
 
 
 class RNGState:

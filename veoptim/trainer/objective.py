@@ -11,7 +11,7 @@ reports are normalised the same way before they are logged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,6 +49,13 @@ class Objective(Protocol):
     data_fingerprint: str
     #: What the normaliser counts, for the error when a global batch has none.
     normaliser_name: str
+
+    def setup(self, model: torch.nn.Module, starting_model: Callable[[], torch.nn.Module]) -> None:
+        """Called once after the model is built and sharded, before any resume.
+        ``starting_model()`` builds another copy of the starting weights (``model.path`` or
+        ``model.init_seed``), frozen, in eval mode and sharded with the same plan (e.g. a
+        reference model); most objectives need neither and do nothing."""
+        ...
 
     def micro_batch(self, indices: list[int]) -> MicroBatch: ...
 

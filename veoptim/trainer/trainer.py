@@ -115,6 +115,14 @@ class Trainer:
             cfg.parallel, ctx, num_experts=getattr(model.config, "num_experts", 0) or 0
         )
         model = plan.apply(model)  # moves the model to ctx.device, then shards it
+
+        def starting_model() -> torch.nn.Module:
+            """Another copy of the starting weights: frozen, eval mode, the same plan."""
+            copy = build_model(cfg.model, len(tokenizer), special, on_meta=on_meta)
+            copy.requires_grad_(False)
+            return plan.apply(copy).eval()
+
+        objective.setup(model, starting_model)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps)
         sampler = GlobalBatchSampler(
