@@ -1,4 +1,8 @@
-"""Device and backend resolution, process-group setup in one process."""
+"""Device and backend resolution, the host's Accelerator, process-group setup in one process.
+
+The npu path runs against a fake torch_npu in interpreters of its own:
+``test_npu_path.py``.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from veoptim.distributed import (
     resolve_backend,
     resolve_device,
 )
+from veoptim.distributed.device import accelerator, device_module
 from veoptim.errors import ConfigError, DistributedError
 
 
@@ -80,6 +85,49 @@ def test_auto_backend_follows_the_device(device, backend):
 def test_backend_that_cannot_run_on_the_device_is_rejected():
     with pytest.raises(ConfigError, match="parallel.backend=nccl does not run on device cpu"):
         resolve_backend("nccl", "cpu")
+
+
+@pytest.mark.parametrize("backend", ["hccl", "gloo"])
+def test_npu_takes_hccl_or_gloo(backend):
+    assert resolve_backend(backend, "npu") == backend
+
+
+@pytest.mark.parametrize(
+    "backend,device,advice",
+    [("nccl", "npu", "'hccl'"), ("hccl", "cuda", "'nccl'"), ("hccl", "cpu", "'gloo'")],
+)
+def test_collective_backend_of_another_device_is_refused(backend, device, advice):
+    with pytest.raises(
+        ConfigError,
+        match=f"parallel.backend={backend} does not run on device {device}; use {advice}",
+    ):
+        resolve_backend(backend, device)
+
+
+def test_host_accelerator_is_plain_memory_synchronous_copies_and_no_events():
+    accel = accelerator(torch.device("cpu"))
+    assert accel == accelerator("cpu") and accel.is_host and accel.module is None
+    buf = accel.host_buffer(8)
+    assert buf.dtype == torch.uint8 and buf.numel() == 8 and not buf.is_pinned()
+    accel.copy_(buf, torch.arange(8, dtype=torch.uint8))
+    assert buf.tolist() == list(range(8))
+    assert accel.record_event(torch.device("cpu")) is None
+    cpu_rng = torch.get_rng_state()
+    assert accel.get_rng_state(torch.device("cpu")) is None
+    accel.set_rng_state(torch.zeros(16, dtype=torch.uint8), torch.device("cpu"))
+    accel.synchronize(torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), cpu_rng), "torch's CPU generator is not touched"
+
+
+def test_cuda_goes_through_torch_cuda():
+    assert accelerator(torch.device("cuda", 0)).module is torch.cuda
+    assert device_module("cuda") is torch.cuda
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "mps", "meta"])
+def test_only_cuda_and_npu_have_a_device_module(device_type):
+    with pytest.raises(DistributedError, match=f"no device module for device type '{device_type}'"):
+        device_module(device_type)
 
 
 def test_unknown_backend_names_the_choices():
