@@ -113,3 +113,18 @@ def test_generic_tokenizer_next_to_a_qwen2_config_keeps_its_size(tmp_path):
     tokenizer = load_tokenizer(str(path))
     assert len(tokenizer) == len(load_tokenizer()) == 512
     assert "<|endoftext|>" not in tokenizer.get_vocab()
+
+
+def test_a_training_checkpoint_as_model_path_says_to_export_it(tmp_path, tiny_overrides):
+    checkpoint = tmp_path / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "checkpoint.json").write_text("{}")
+    with pytest.raises(ConfigError, match="is a veoptim training checkpoint.*veoptim-export"):
+        to_config(compose_sft([*tiny_overrides, f"model.path={checkpoint}"]))
+
+
+def test_the_checkpoint_marker_is_the_checkpoint_info_file():
+    from veoptim.checkpoint.contents import INFO_FILE
+    from veoptim.config.validate import TRAINING_CHECKPOINT_FILE
+
+    assert TRAINING_CHECKPOINT_FILE == INFO_FILE

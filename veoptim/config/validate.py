@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from veoptim.config.schema import TrainerConfig
 from veoptim.dtypes import DTYPES
@@ -19,6 +20,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "export.dtype": (*DTYPES, "preserve"),
     "logging.wandb.mode": ("disabled", "offline", "online"),
 }
+
+#: The file that marks a veoptim training checkpoint (``veoptim.checkpoint.contents``,
+#: which this package may not import).
+TRAINING_CHECKPOINT_FILE = "checkpoint.json"
 
 #: Model presets that load ``model.path`` (``configs/model/<name>.yaml``); the path is required.
 PATH_PRESETS: tuple[str, ...] = ("hf_local",)
@@ -101,6 +106,12 @@ def _validate_model(cfg: TrainerConfig) -> None:
         raise ConfigError(
             f"model.path is required with model={model.name} (a local Hugging Face model "
             "directory with config.json), but it is empty; add model.path=/path/to/model."
+        )
+    if model.path and (Path(model.path) / TRAINING_CHECKPOINT_FILE).is_file():
+        raise ConfigError(
+            f"model.path={model.path} is a veoptim training checkpoint, not a Hugging Face "
+            "model directory; export it first (veoptim-export "
+            f"{model.path} --out <dir> --name <name>) and pass model.path=<dir>/<name>."
         )
     if not model.path and cfg.data.max_seq_len > model.max_position_embeddings:
         raise ConfigError(
