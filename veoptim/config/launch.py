@@ -8,6 +8,7 @@ which does not tell a new user that the fix is to launch it with torchrun.
 from __future__ import annotations
 
 import shlex
+import sys
 
 from hydra.core.hydra_config import HydraConfig
 
@@ -25,12 +26,21 @@ def min_world_size(parallel: ParallelConfig) -> int:
     return replicate * max(parallel.dp_shard, 1)
 
 
+def _main_module() -> str | None:
+    """``tasks.sft`` when this process runs ``python -m tasks.sft`` (else None)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec is not None and spec.name != "__main__" else None
+
+
 def launch_command(nproc: int) -> str:
     """``torchrun ... -m tasks.<task> <this run's overrides>`` (from Hydra when it runs)."""
     task, overrides = "tasks.<task>", "<your overrides>"
     if HydraConfig.initialized():  # python -m tasks.<task> (not a programmatic compose)
         hydra = HydraConfig.get()
-        task = f"tasks.{hydra.job.config_name}"  # a task runs configs/<task>.yaml
+        module = _main_module() or f"tasks.{hydra.job.config_name}"
+        task = module  # python -m tasks.<task> runs configs/<task>.yaml unless told otherwise
+        if hydra.job.config_name != module.rpartition(".")[2]:  # e.g. a recipe
+            task += f" --config-name {shlex.quote(hydra.job.config_name)}"
         overrides = " ".join(shlex.quote(o) for o in hydra.overrides.task)
     return f"torchrun --standalone --nproc_per_node {nproc} -m {task} {overrides}".rstrip()
 

@@ -142,7 +142,9 @@ def build_model(
         if on_meta:
             with torch.device("meta"):
                 config = AutoConfig.from_pretrained(path)
-                return AutoModelForCausalLM.from_config(config, dtype=dtype).to(dtype)
+                # No .to(dtype): like from_pretrained on rank 0, keep the buffers' own dtype
+                # (rotary inv_freq stays FP32), or rank 0's buffer broadcast mismatches.
+                return AutoModelForCausalLM.from_config(config, dtype=dtype)
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf_config = _hf_config(cfg, vocab_size, special_tokens or {})
     _, model_cls = SUPPORTED_ARCHS[cfg.arch]
