@@ -207,14 +207,20 @@ def test_sampler_checkpoint_with_optimizer(writer, live):
 
 def test_escaping_references(writer, live, tmp_path):
     root = writer.store.root
-    for ref in ("../alice", "alice/../../x", "/etc", "a/b/c", ".versions"):
-        assert_fails_closed(live, ref, "")
+    for ref, match in [
+        ("../alice", "name '..' is not allowed"),
+        ("alice/../../x", "must be '<name>', '<name>/<save>' or a path inside"),
+        ("/etc", "outside the slot checkpoint root"),
+        ("a/b/c", "must be '<name>', '<name>/<save>' or a path inside"),
+        (".versions", "name '.versions' is not allowed"),
+    ]:
+        assert_fails_closed(live, ref, match)
     outside = tmp_path / "elsewhere" / "copy"
     shutil.copytree(resolve(root / "alice", GOOD), outside)
     assert_fails_closed(live, str(outside), "outside the slot checkpoint root")
     os.symlink(outside, root / "alice" / "sneaky")
-    assert_fails_closed(live, "alice/sneaky", "")
-    assert_fails_closed(live, str(root / "alice" / "sneaky"), "")
+    assert_fails_closed(live, "alice/sneaky", "links escaping the root are refused")
+    assert_fails_closed(live, str(root / "alice" / "sneaky"), "links escaping the root are refused")
 
 
 def test_escaping_save_names(live):
