@@ -162,3 +162,12 @@ def two_ranks(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", sorted(TWO_RANK))
 def test_dpo_resume_is_bitwise_on_two_ranks(two_ranks, name):
     assert_resume_bitwise(two_ranks / name)
+
+
+def test_an_ipo_run_starts_at_its_closed_form_loss(tmp_path):
+    """Policy == reference at step 1, so h = 0 and the IPO loss is (1 / (2 beta))^2."""
+    beta = 0.5
+    dpo(tmp_path, *TINY, "train.max_steps=2", "dpo.loss=ipo", f"dpo.beta={beta}")
+    first = metrics(tmp_path)[0]
+    assert first["loss"] == pytest.approx((1 / (2 * beta)) ** 2, rel=1e-6)
+    assert first["rewards/margins"] == 0.0 and first["rewards/accuracies"] == 0.0

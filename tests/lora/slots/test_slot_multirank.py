@@ -78,6 +78,24 @@ def _checks(ctx: DistContext, out: Path) -> dict:
     result["weights_resharded"] = all(
         torch.equal(w, saved["weights"][n]) for n, w in weights.items()
     )
+
+    # A save failing on rank 1 only: every rank raises that slot's error, nothing changes,
+    # and the other slots train on.
+    def disk_full_on_rank_1(phase: str) -> None:
+        if phase == "written" and rank == 1:
+            raise OSError(28, "No space left on device")
+
+    before = {s: trainer.slot_state(s) for s in (1, 2)}
+    trainer.store.fault_hook = disk_full_on_rank_1
+    try:
+        trainer.save_slot(1, "bob")
+        result["save_fault"] = ""
+    except SlotError as exc:
+        result["save_fault"] = f"{exc.slot}: {exc}"
+    trainer.store.fault_hook = None
+    result["fault_unchanged"] = [differences(before[s], trainer.slot_state(s)) for s in (1, 2)]
+    trainer.train_step(batch([700 + rank, 710 + rank], [1, 2]))
+    result["trained_after_fault"] = trainer.slot_state(2)["steps"]
     if rank == 0:
         torch.save(saved, out / "saved.pt")
     return result
@@ -102,6 +120,13 @@ def test_negative_controls_on_two_ranks(two_ranks):
     assert result["rounded_caught"]
     assert all(d.startswith("master_weight.") for d in result["rounded_caught"])
     assert "steps" in result["weights_only_caught"]
+
+
+def test_a_save_failing_on_one_rank_is_that_slots_error_on_every_rank(two_ranks):
+    result, _ = two_ranks
+    assert result["save_fault"].startswith("1: slot 1: saving it as 'bob' failed")
+    assert "No space left on device" in result["save_fault"]
+    assert result["fault_unchanged"] == [[], []] and result["trained_after_fault"] == K + 1
 
 
 def test_other_layout_refuses_optimizer_state_but_loads_weights(two_ranks):
