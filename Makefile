@@ -40,6 +40,7 @@ bench: setup
 	$(PY) scripts/bench/trainer_overhead.py
 	$(PY) scripts/bench/optimizer_step.py
 	$(PY) scripts/bench/checkpoint_io.py
+	$(PY) scripts/bench/slot_io.py
 
 clean:
 	rm -rf runs outputs multirun .pytest_cache

@@ -24,17 +24,22 @@ def compose_sft(overrides: list[str] | None = None) -> DictConfig:
     return compose_config("sft", overrides)
 
 
-def run_sft_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m tasks.sft ARGS`` in a real subprocess, offline, from ``cwd``."""
+def run_task_cli(task: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m tasks.<task> ARGS`` in a real subprocess, offline, from ``cwd``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "tasks.sft", *args],
+        [sys.executable, "-m", f"tasks.{task}", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def run_sft_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m tasks.sft ARGS`` in a real subprocess, offline, from ``cwd``."""
+    return run_task_cli("sft", args, cwd)
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ from statistics import median
 from typing import Any
 
 import torch
+from checkpoint_io import evict  # the sibling benchmark's (run as a script from here)
 
 from veoptim.data import IGNORE_INDEX, collate, load_sft_dataset
 from veoptim.lora.slots import SLOT_IDS, MultiLoRAConfig, SlotTrainer
@@ -57,17 +58,6 @@ TARGET_STEP_RATIO = 1.3
 
 
 # ----------------------------------------------------------------- utilities
-def evict(path: Path) -> None:
-    """Drop clean page-cache pages of every file under ``path`` (written and fsynced)."""
-    for file in (p for p in path.rglob("*") if p.is_file()):
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def version_bytes(version_dir: Path) -> int:
     return sum(p.stat().st_size for p in version_dir.rglob("*") if p.is_file())
 

@@ -34,7 +34,6 @@ from veoptim.checkpoint.faults import PHASE_AFTER_REPLACE
 from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 from veoptim.state import LR_SCHEDULER, MODEL
-from veoptim.trainer.checkpointing import checkpoint_root
 
 FROZEN = "model.norm.weight"
 
@@ -193,7 +192,7 @@ def test_a_steps_metrics_are_written_before_its_checkpoint_is_published(tmp_path
                 (trainer.progress.global_step, json.loads(lines[-1])["step"])
             )
 
-    trainer.checkpointer = Checkpointer(checkpoint_root(cfg.checkpoint, trainer.run_dir),
+    trainer.checkpointer = Checkpointer(cfg.checkpoint.root_dir(trainer.run_dir),
                                         fsync=False, fault_hook=at_publication)  # fmt: skip
     trainer.train()
     assert logged_at_publication == [(2, 2), (4, 4)]

@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import run_task_cli
 
 EXPORTS = {0: "slot0_uppercase", 1: "slot1_reverse", 2: "slot2_what-is"}
 SUMMARY = re.compile(r"slot (\d) \('[^']*'\): loss first ([\d.]+), last ([\d.]+)")
 
 
 def run_multi_lora_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m tasks.multi_lora ARGS`` in a real subprocess, offline, from ``cwd``
-    (as ``tests.conftest.run_sft_cli`` runs ``tasks.sft``)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "tasks.multi_lora", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """``python -m tasks.multi_lora ARGS`` in a real subprocess, offline, from ``cwd``."""
+    return run_task_cli("multi_lora", args, cwd)
 
 
 def test_demo_trains_checks_continuation_and_exports(tmp_path: Path) -> None:

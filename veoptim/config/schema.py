@@ -9,6 +9,7 @@ unknown keys and wrong types fail at startup.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from veoptim.errors import ConfigError
@@ -199,6 +200,10 @@ class CheckpointConfig:
         "Allow a fresh run (checkpoint.resume empty) in a run dir that already holds "
         "checkpoints; their names are then re-pointed at the new run's versions.",
     )
+
+    def root_dir(self, run_dir: str | Path) -> Path:
+        """``checkpoint.root``, or ``<run.dir>/checkpoints`` when unset."""
+        return Path(self.root) if self.root else Path(run_dir) / "checkpoints"
 
 
 @dataclass

@@ -16,7 +16,6 @@ response (and its end-of-turn token) labelled, so both share the context tokens.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from functools import cached_property
@@ -37,6 +36,7 @@ from veoptim.data.records import (
     KEY_ROLE,
     Conversation,
     Message,
+    jsonl_records,
     validate_messages,
 )
 from veoptim.data.sft import report_truncation, tokenize_conversations
@@ -91,30 +91,16 @@ def _response(value: Any, key: str, where: str) -> Message:
 
 def read_pairs(path: Path) -> list[PreferencePair]:
     """Parse and validate every line of ``path``; the first bad line raises ``DataError``."""
-    if not path.is_file():
-        raise DataError(f"preference data file {path} does not exist (expected a JSONL file).")
     pairs: list[PreferencePair] = []
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                raise DataError(f"{where}: expected UTF-8 text, found undecodable bytes.") from None
-            except json.JSONDecodeError as error:
-                raise DataError(
-                    f"{where}: expected a JSON object per line, found invalid JSON ({error.msg})."
-                ) from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object, found {type(record).__name__}.")
-            missing = [key for key in SIDES if key not in record]
-            if missing:
-                raise DataError(f"{where}: expected 'chosen' and 'rejected', {missing} missing.")
-            context = _context(record, where)
-            chosen, rejected = (_response(record[key], key, where) for key in SIDES)
-            pairs.append(PreferencePair(context, chosen, rejected, line_no))
+    for record, line_no, where in jsonl_records(path, "preference data file"):
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: expected a JSON object, found {type(record).__name__}.")
+        missing = [key for key in SIDES if key not in record]
+        if missing:
+            raise DataError(f"{where}: expected 'chosen' and 'rejected', {missing} missing.")
+        context = _context(record, where)
+        chosen, rejected = (_response(record[key], key, where) for key in SIDES)
+        pairs.append(PreferencePair(context, chosen, rejected, line_no))
     if not pairs:
         raise DataError(f"preference data file {path} has no pairs (one JSON object per line).")
     return pairs

@@ -13,6 +13,7 @@ Other keys on a line are ignored. Blank lines are skipped.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,11 +97,11 @@ def validate_messages(messages: Any, where: str, last_role: str = ROLE_ASSISTANT
     return out
 
 
-def read_conversations(path: Path) -> list[Conversation]:
-    """Parse and validate every line of ``path``; the first bad line raises ``DataError``."""
+def jsonl_records(path: Path, what: str) -> Iterator[tuple[Any, int, str]]:
+    """``(record, line number, "<path>:<line>")`` of every non-blank line of the JSONL file
+    ``path`` (``what`` names it in errors); a bad line raises ``DataError``."""
     if not path.is_file():
-        raise DataError(f"SFT data file {path} does not exist (expected a JSONL file).")
-    conversations: list[Conversation] = []
+        raise DataError(f"{what} {path} does not exist (expected a JSONL file).")
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
@@ -114,7 +115,15 @@ def read_conversations(path: Path) -> list[Conversation]:
                 raise DataError(
                     f"{where}: expected a JSON object per line, found invalid JSON ({error.msg})."
                 ) from None
-            conversations.append(Conversation(_messages_from_record(record, where), line_no))
+            yield record, line_no, where
+
+
+def read_conversations(path: Path) -> list[Conversation]:
+    """Parse and validate every line of ``path``; the first bad line raises ``DataError``."""
+    conversations = [
+        Conversation(_messages_from_record(record, where), line_no)
+        for record, line_no, where in jsonl_records(path, "SFT data file")
+    ]
     if not conversations:
         raise DataError(
             f"SFT data file {path} has no examples (expected one JSON object per line)."

@@ -29,7 +29,7 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 BASE_LAYER = ".base_layer"
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
+def full_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor on the CPU (gathers a DTensor: collective)."""
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
@@ -46,13 +46,13 @@ def peft_adapter_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[st
     state: dict[str, torch.Tensor] = {}
     for fqn, layer in lora_layers(model).items():
         for kind in ("lora_A", "lora_B"):
-            state[f"{PEFT_PREFIX}{fqn}.{kind}.weight"] = _full(getattr(layer, kind)[name].weight)
+            state[f"{PEFT_PREFIX}{fqn}.{kind}.weight"] = full_cpu(getattr(layer, kind)[name].weight)
     for fqn, experts in lora_experts(model).items():
         params = experts.param_names
         for depth, param in enumerate(reversed(params)):
             prefix = f"{PEFT_PREFIX}{fqn}." + "base_layer." * depth
-            a = _full(experts.adapters.lora_A[name][param])  # [E, r, in]
-            b = _full(experts.adapters.lora_B[name][param])  # [E, out, r]
+            a = full_cpu(experts.adapters.lora_A[name][param])  # [E, r, in]
+            b = full_cpu(experts.adapters.lora_B[name][param])  # [E, out, r]
             state[f"{prefix}lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()
             state[f"{prefix}lora_B.weight"] = (
                 b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
@@ -103,7 +103,7 @@ def write_peft_adapter(
 def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The frozen base's state dict under its original names (no adapters), full tensors."""
     return {
-        key.replace(BASE_LAYER, ""): _full(value)
+        key.replace(BASE_LAYER, ""): full_cpu(value)
         for key, value in model.state_dict().items()
         if ".lora_A." not in key and ".lora_B." not in key
     }
@@ -116,15 +116,15 @@ def merged_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[str, tor
     for fqn, layer in lora_layers(model).items():
         key = f"{fqn}.weight"
         base = state[key]
-        a = _full(layer.lora_A[name].weight).float()
-        b = _full(layer.lora_B[name].weight).float()
+        a = full_cpu(layer.lora_A[name].weight).float()
+        b = full_cpu(layer.lora_B[name].weight).float()
         state[key] = (base.float() + (b @ a) * layer.specs[name].scaling).to(base.dtype)
     for fqn, experts in lora_experts(model).items():
         for param in experts.param_names:
             key = f"{fqn}.{param}"
             base = state[key]
-            full_a = _full(experts.adapters.lora_A[name][param]).float()
-            full_b = _full(experts.adapters.lora_B[name][param]).float()
+            full_a = full_cpu(experts.adapters.lora_A[name][param]).float()
+            full_b = full_cpu(experts.adapters.lora_B[name][param]).float()
             delta = torch.bmm(full_b, full_a) * experts.specs[name].scaling
             state[key] = (base.float() + delta).to(base.dtype)
     return state

@@ -1,6 +1,6 @@
 """Objectives: a task's data and loss, plugged into the task-agnostic trainer loop."""
 
-from veoptim.objectives.dpo import DPOConfig, DPOObjective, preference_loss, sequence_logps
+from veoptim.objectives.dpo import DPOConfig, DPOObjective, preference_loss
 from veoptim.objectives.sft import SFTConfig, SFTDataConfig, SFTObjective, summed_token_loss
 
 __all__ = [
@@ -10,6 +10,5 @@ __all__ = [
     "SFTDataConfig",
     "SFTObjective",
     "preference_loss",
-    "sequence_logps",
     "summed_token_loss",
 ]

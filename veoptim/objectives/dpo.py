@@ -25,11 +25,11 @@ from torch import nn
 
 from veoptim.checkpoint.component import StateComponent
 from veoptim.config.schema import DataConfig, TrainerConfig, opt
-from veoptim.data import IGNORE_INDEX
 from veoptim.data.fields import INPUT_IDS, LABELS
 from veoptim.data.pairs import PairDataset, collate_pairs, load_pair_dataset
 from veoptim.errors import ConfigError
 from veoptim.lora import adapters_disabled
+from veoptim.losses import sequence_logps
 from veoptim.trainer.objective import LossSum, MicroBatch
 
 LOSSES = ("sigmoid", "ipo")
@@ -74,19 +74,6 @@ def check_dpo(cfg: DPOSection) -> None:
         raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {cfg.label_smoothing}.")
     if cfg.loss == "ipo" and cfg.label_smoothing:
         raise ConfigError("dpo.label_smoothing applies to the sigmoid loss; set it to 0 for ipo.")
-
-
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the summed log-probability (FP32) of its labelled next tokens, and how many."""
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
-    token_logps = -F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    ).view(shift_labels.shape)
-    return token_logps.sum(dim=1), (shift_labels != IGNORE_INDEX).sum(dim=1)
 
 
 @dataclass

@@ -37,13 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS_SUBDIR = "checkpoints"
-
-
-def checkpoint_root(cfg: CheckpointConfig, run_dir: Path) -> Path:
-    """``checkpoint.root``, or ``<run.dir>/checkpoints`` when unset."""
-    return Path(cfg.root) if cfg.root else run_dir / CHECKPOINTS_SUBDIR
-
 
 def build_checkpointer(cfg: CheckpointConfig, run_dir: Path, ctx: DistContext) -> Checkpointer:
     """The run's checkpointer; async saves get their own process group."""
@@ -52,7 +45,7 @@ def build_checkpointer(cfg: CheckpointConfig, run_dir: Path, ctx: DistContext) -
         # async DCP needs its own group: gloo aborts if training reuses the default one.
         async_group = dist.new_group(backend="gloo")
     return Checkpointer(
-        checkpoint_root(cfg, run_dir),
+        cfg.root_dir(run_dir),
         keep_last=cfg.keep_last,
         fsync=cfg.fsync,
         write_threads=cfg.write_threads,

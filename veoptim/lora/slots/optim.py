@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from veoptim.config.schema import OptimConfig, SchedulerConfig
 from veoptim.errors import ConfigError
-from veoptim.lora.slots.routing import SlotParams, local_shard
+from veoptim.lora.peft_format import full_cpu
+from veoptim.lora.slots.routing import SlotParams
 from veoptim.optim import build_optimizer, build_scheduler
 from veoptim.optim.dtensor_util import local
 from veoptim.optim.state_keys import EXP_AVG, EXP_AVG_SQ, MASTER_WEIGHT, STEP
@@ -134,7 +134,7 @@ class SlotOptimizer:
 
     def step(self, grad_clip: float, clip: Any) -> dict[str, float]:
         """Divide the summed gradients by the accumulated tokens, clip, step, schedule."""
-        grads = [local_shard(p.grad) for p in self.params.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in self.params.parameters() if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self.pending_tokens)
         norm = clip(self.params, grad_clip or float("inf"))
@@ -150,10 +150,10 @@ class SlotOptimizer:
         optimizer = self.optimizer
         out: dict[str, Any] = {key: {} for key in SNAPSHOT_TENSORS}
         for name, param in self.params.named:
-            out[WEIGHTS][name] = _whole(param)
+            out[WEIGHTS][name] = full_cpu(param).clone()
             for key, value in optimizer.state.get(param, {}).items():
                 if key in out and isinstance(value, torch.Tensor):
-                    out[key][name] = _whole(value)
+                    out[key][name] = full_cpu(value).clone()
         groups = to_json_param_groups(optimizer.state_dict()["param_groups"])
         out["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         out["scheduler"] = self.scheduler.state_dict()
@@ -165,9 +165,3 @@ class SlotOptimizer:
         for p in self.params.parameters():
             p.grad = None
         self.pending_tokens = 0.0
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
-    return local(tensor).detach().to("cpu").clone()

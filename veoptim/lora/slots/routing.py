@@ -12,7 +12,6 @@ parameters get (zero) gradients on every rank and FSDP reduces the same set ever
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -24,9 +23,9 @@ from veoptim.config.schema import LoRAConfig
 from veoptim.errors import ConfigError
 from veoptim.lora.inject import adapter_spec, target_names
 from veoptim.lora.layer import AdapterSpec, LoRALinear
+from veoptim.optim.dtensor_util import local
 
 SLOT_PREFIX = "slot_"
-_SLOT_SEGMENT = re.compile(r"\.slot_(\d+)\.")
 
 
 def slot_adapter_name(slot: int) -> str:
@@ -146,17 +145,13 @@ class SlotParams:
             if ".lora_A." in name:
                 bound = 1.0 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=sqrt(5))
                 full[: spec.r].uniform_(-bound, bound, generator=generator)
-            local_shard(param).copy_(shard_of(param, full))
+            local(param).copy_(shard_of(param, full))
         self.set_spec(spec)
 
     @torch.no_grad()
     def zero_(self) -> None:
         for _, param in self.named:
-            local_shard(param).zero_()
-
-
-def local_shard(param: torch.Tensor) -> torch.Tensor:
-    return param._local_tensor if isinstance(param, DTensor) else param
+            local(param).zero_()
 
 
 def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -168,8 +163,3 @@ def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     )
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
     return full[index]
-
-
-def canonical_name(fqn: str) -> str:
-    """A slot parameter's name without its slot (``...lora_A.slot_3.weight`` -> ``...lora_A.weight``)."""
-    return _SLOT_SEGMENT.sub(".", fqn, count=1)

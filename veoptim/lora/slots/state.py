@@ -20,8 +20,9 @@ from veoptim.checkpoint.contents import INFO_LAYOUT, INFO_WORLD_SIZE
 from veoptim.errors import CheckpointError
 from veoptim.lora.layer import AdapterSpec
 from veoptim.lora.slots.optim import SlotOptimizer
-from veoptim.lora.slots.routing import SlotParams, local_shard
+from veoptim.lora.slots.routing import SlotParams
 from veoptim.lora.state import BASE, check_base
+from veoptim.optim.dtensor_util import local
 from veoptim.state.model import module_inventory
 from veoptim.state.optimizer import (
     PARAM_GROUPS,
@@ -60,7 +61,7 @@ class SlotAdapterState:
         @torch.no_grad()
         def install() -> None:
             for name, param in live.items():
-                local_shard(param).copy_(local_shard(buffers[name]))
+                local(param).copy_(local(buffers[name]))
             self.params.set_spec(spec)
 
         return Staged(expected=module_inventory(live), buffers=buffers, install=install)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from veoptim.config.launch import check_launch
 from veoptim.config.validate import validate_config
@@ -51,6 +50,7 @@ from veoptim.lora.slots.state import (
 )
 from veoptim.lora.slots.store import SlotStore
 from veoptim.lora.state import base_fingerprint
+from veoptim.losses import sequence_logps
 from veoptim.models import build_model
 from veoptim.models.build import check_model_fits
 from veoptim.state.stateful import JSONState, same_structure
@@ -109,11 +109,8 @@ class SlotTrainer:
         self.fingerprint = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
         self.layout = self.plan.layout_metadata().to_json()
         self.run_dir = Path(cfg.run.dir)
-        ckpt_root = (
-            Path(cfg.checkpoint.root) if cfg.checkpoint.root else self.run_dir / "checkpoints"
-        )
         self.store = SlotStore(
-            ckpt_root / SLOTS_SUBDIR,
+            cfg.checkpoint.root_dir(self.run_dir) / SLOTS_SUBDIR,
             keep_last=cfg.slots.keep_last,
             fsync=cfg.checkpoint.fsync,
             write_threads=cfg.checkpoint.write_threads,
@@ -229,7 +226,7 @@ class SlotTrainer:
             self.router.route(ids, present)
             try:
                 logits = self.model(**inputs, use_cache=False).logits
-                row_sums = _row_loss_sums(logits, labels.to(device))
+                row_sums = -sequence_logps(logits, labels.to(device))[0]
                 loss_sums = torch.zeros(n, dtype=row_sums.dtype, device=device).index_add(
                     0, ids, row_sums
                 )
@@ -409,16 +406,3 @@ class SlotTrainer:
             return action()
         except (CheckpointError, OSError) as exc:
             raise SlotError(slot, f"{what} failed: {exc}" if what else str(exc)) from exc
-
-
-def _row_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per row: the sum of next-token cross-entropy (FP32) over its labelled positions."""
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
-    per_token = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
-    return per_token.view(shift_labels.shape).sum(dim=1)
