@@ -13,7 +13,7 @@ export WANDB_MODE ?= disabled
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plots]"
 	touch $@
 
 setup: $(VENV)/.installed

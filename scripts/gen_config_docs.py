@@ -22,7 +22,7 @@ Override any key on the command line: `python -m tasks.sft optim.lr=1e-4`.
 `tasks.dpo` and `tasks.multi_lora` share every section and change the ones listed at the end.
 Choose a config group file with `group=name` (e.g. `optim=master_fp32_adamw`,
 `model=tiny_moe`, `parallel=fsdp`, `scheduler=wsd`); the files live under
-`configs/<group>/`.
+`veoptim/configs/<group>/`.
 """
 
 

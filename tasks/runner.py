@@ -59,7 +59,7 @@ def run_task(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, 
 
 
 def task_main(name: str, schema: type[TrainerConfig]) -> Callable[[], None]:
-    """The ``python -m tasks.<name>`` entry point: ``configs/<name>.yaml`` under Hydra."""
+    """The ``python -m tasks.<name>`` entry point: ``veoptim/configs/<name>.yaml`` under Hydra."""
     register_schema(name, schema)
 
     @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=name)

@@ -38,7 +38,9 @@ def launch_command(nproc: int) -> str:
     if HydraConfig.initialized():  # python -m tasks.<task> (not a programmatic compose)
         hydra = HydraConfig.get()
         module = _main_module() or f"tasks.{hydra.job.config_name}"
-        task = module  # python -m tasks.<task> runs configs/<task>.yaml unless told otherwise
+        task = (
+            module  # python -m tasks.<task> runs veoptim/configs/<task>.yaml unless told otherwise
+        )
         if hydra.job.config_name != module.rpartition(".")[2]:  # e.g. a recipe
             task += f" --config-name {shlex.quote(hydra.job.config_name)}"
         overrides = " ".join(shlex.quote(o) for o in hydra.overrides.task)
