@@ -21,9 +21,10 @@ FP32 masters and moments), the bundled SFT data, ``checkpoint.fsync=true``.
   16 for the spread one). Figures are medians (and minima).
 
 Prints one JSON line. Targets: save and load of one slot with 16 live slots <= 1.1x
-with one live slot; the 16-slot ``train_step`` <= 1.3x the 1-slot one. The step ratio
-depends on ``--threads`` (16 slots run 16 small adapter products per layer, which gain
-little from more threads while the base model's products do): compare it at equal threads.
+with one live slot; the 16-slot ``train_step`` <= 1.3x the 1-slot one. Each adapted layer
+runs all slots as one batched product pair either way, so the step ratio is mostly the
+16 slots' optimizer steps (16x the parameters of one): it shrinks as the base model grows
+against the adapters (``--hidden``) and as each slot gets more rows (``--rows``).
 
     .venv/bin/python scripts/bench/slot_io.py [--hidden 384] [--layers 4] [--rank 16] [--rows 64] [--repeats 15] [--rounds 9] [--threads N] [--dir D]
 """

@@ -15,6 +15,7 @@ from tests.distributed.workers import (
 )
 from veoptim.config.schema import ParallelConfig
 from veoptim.distributed import build_parallel_plan, init_distributed
+from veoptim.distributed.grad_norm import clip_grad_norm_
 from veoptim.errors import ConfigError, DistributedError
 from veoptim.models.build import build_model
 
@@ -70,6 +71,22 @@ def test_clip_grad_norm_with_inf_max_norm_only_measures(ctx):
     norm = plan.clip_grad_norm_(model, float("inf"))
     assert norm > MAX_NORM
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("max_norm", [MAX_NORM, float("inf")])
+def test_clip_grad_norm_folds_a_scale_into_its_multiply(max_norm):
+    """Loss-sum gradients with ``scale=1/tokens``: the norm and gradients of the mean."""
+    ids, labels = global_batch()
+    models = [build_model(model_config(moe=False), VOCAB) for _ in range(2)]
+    tokens = loss_tokens(labels)
+    token_loss_sum(models[0], ids, labels).backward()
+    (token_loss_sum(models[1], ids, labels) / tokens).backward()
+    ours = clip_grad_norm_(models[0].parameters(), max_norm, scale=1.0 / tokens)
+    theirs = clip_grad_norm_(models[1].parameters(), max_norm)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+    assert ours > MAX_NORM  # the clip applies
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)  # rounding order
 
 
 def test_moe_with_ep1_trains_in_one_process(ctx):

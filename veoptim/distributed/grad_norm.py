@@ -45,13 +45,21 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.
 
 
 def clip_grad_norm_(
-    params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *, scale: float = 1.0
 ) -> torch.Tensor:
-    """Scale gradients so their total norm is at most ``max_norm`` (0 or inf: no clipping); return the norm."""
+    """Scale gradients so their total norm is at most ``max_norm`` (0 or inf: no clipping);
+    return the norm before clipping.
+
+    ``scale`` first multiplies the gradients (e.g. ``1 / tokens`` turning accumulated loss
+    sums into a mean), folded into the clip's multiply: one pass over the gradients."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = total_grad_norm(grads, norm_type)
+    total = total_grad_norm(grads, norm_type) * scale
     if 0 < max_norm < math.inf:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for group in group_by_mesh(grads):
-            torch._foreach_mul_(group, coef.to(group[0].device))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0) * scale
+    elif scale != 1.0:
+        coef = torch.tensor(scale)
+    else:
+        return total
+    for group in group_by_mesh(grads):
+        torch._foreach_mul_(group, coef.to(group[0].device))
     return total

@@ -139,21 +139,25 @@ def logits(trainer, inputs: dict) -> torch.Tensor:
 
 
 def test_rows_are_computed_grouped_by_slot(tmp_path, monkeypatch):
+    """Per layer: one batched product pair over the slots, each slot's rows together."""
     trainer = build(tmp_path)
     for slot in (0, 1):
         trainer.create_slot(slot)
-    calls: list[tuple[str, int]] = []
-    original = LoRALinear.delta
+    calls: list[tuple[int, ...]] = []
+    original = torch.bmm
 
-    def counting(self, name, x):
-        calls.append((name, x.shape[0]))
-        return original(self, name, x)
+    def counting(left, right):
+        calls.append(tuple(left.shape))
+        return original(left, right)
 
-    monkeypatch.setattr(LoRALinear, "delta", counting)
-    trainer.forward_backward(batch(list(range(6)), [0, 1, 0, 1, 1, 0]))
-    layers = len([m for m in trainer.model.modules() if isinstance(m, LoRALinear)])
-    assert sorted(set(calls)) == [("slot_0", 3), ("slot_1", 3)]
-    assert len(calls) == 2 * layers
+    monkeypatch.setattr(torch, "bmm", counting)
+    inputs = batch(list(range(6)), [0, 1, 0, 1, 1, 0])
+    trainer.forward_backward(inputs)
+    layers = [m for m in trainer.model.modules() if isinstance(m, LoRALinear)]
+    forward = calls[: 2 * len(layers)]  # autograd's backward does not call torch.bmm
+    assert len(calls) == 2 * len(layers)
+    seq = inputs["input_ids"].shape[1]
+    assert {shape[:2] for shape in forward} == {(2, 3 * seq)}  # 2 slots x 3 rows each
 
 
 def test_hyperparameters_are_per_slot_and_per_call(trained):
@@ -213,9 +217,12 @@ def test_reset_and_release(tmp_path):
 
 
 def test_a_lower_rank_slot_keeps_its_unused_rank_zero(tmp_path):
+    """Batched with a full-rank slot, the lower-rank slot's unused rows of A and columns
+    of B add exact zeros and stay zero."""
     trainer = build(tmp_path)
     trainer.create_slot(0, r=3)
-    train(trainer, 3, [0])
+    trainer.create_slot(1)
+    train(trainer, 3, [0, 1])
     state = trainer.slot_state(0)
     for name, weight in state["weights"].items():
         unused = weight[3:] if ".lora_A." in name else weight[:, 3:]

@@ -11,6 +11,7 @@ global token count, so a slot's update is the token mean however its rows were b
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +19,11 @@ from typing import Any
 import torch
 
 from veoptim.config.schema import OptimConfig, SchedulerConfig
+from veoptim.distributed.grad_norm import clip_grad_norm_
 from veoptim.errors import ConfigError
 from veoptim.lora.peft_format import full_cpu
 from veoptim.lora.slots.routing import SlotParams
 from veoptim.optim import build_optimizer, build_scheduler
-from veoptim.optim.dtensor_util import local
 from veoptim.optim.state_keys import EXP_AVG, EXP_AVG_SQ, MASTER_WEIGHT, STEP
 from veoptim.state.optimizer import to_json_param_groups
 
@@ -132,12 +133,10 @@ class SlotOptimizer:
             else self.hyper.weight_decay,
         )
 
-    def step(self, grad_clip: float, clip: Any) -> dict[str, float]:
-        """Divide the summed gradients by the accumulated tokens, clip, step, schedule."""
-        grads = [local(p.grad) for p in self.params.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, 1.0 / self.pending_tokens)
-        norm = clip(self.params, grad_clip or float("inf"))
+    def step(self, grad_clip: float) -> dict[str, float]:
+        """Clip and step on the token mean of the accumulated gradient sums, then schedule."""
+        scale = 1.0 / self.pending_tokens
+        norm = clip_grad_norm_(self.params.parameters(), grad_clip or math.inf, scale=scale)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()

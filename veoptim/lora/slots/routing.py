@@ -2,10 +2,17 @@
 
 Every targeted Linear holds one adapter per slot (``slot_<i>``), each with its own
 parameters allocated at the slots' maximum rank (``lora.r``). Before a forward, the
-:class:`SlotRouter` is told each row's slot; every LoRA layer then sorts its input rows
-by slot once, runs each slot's adapter on that slot's rows as one matrix product pair
-(grouped by slot, never row by row) and adds the deltas back in the original row order.
-A slot that has rows on another rank but none here still runs on zero rows, so its
+:class:`SlotRouter` is told each row's slot and works out, once per batch, where every
+row goes in a ``[slots, rows per slot, ...]`` layout (each slot's rows padded with zero
+rows to the largest slot's count). Every LoRA layer then gathers its input into that
+layout and runs all slots' adapters as one batched product pair (``torch.bmm`` over the
+slots' stacked ``A`` and ``B``: grouped by slot, never row by row, and one kernel call
+instead of one per slot), scales each slot by its own ``alpha / r`` and gathers the
+deltas back into the original row order. A slot of a lower rank than the maximum uses
+the leading ``r`` rows of ``A`` and columns of ``B``; the rest are exactly zero, so the
+full-width product adds exact zeros and their gradients stay zero.
+
+A slot that has rows on another rank but none here still runs (on zero rows), so its
 parameters get (zero) gradients on every rank and FSDP reduces the same set everywhere.
 """
 
@@ -36,33 +43,59 @@ class SlotRouter:
     """Which rows of the current batch belong to which slot (set per forward)."""
 
     def __init__(self) -> None:
-        self._order: torch.Tensor | None = None
-        self._inverse: torch.Tensor | None = None
         self._names: list[str] = []
-        self._splits: list[int] = []
+        #: Per padded position (slot-major): the batch row it holds, or ``rows`` (a zero row).
+        self._gather: torch.Tensor | None = None
+        #: Per batch row: its padded position.
+        self._scatter: torch.Tensor | None = None
+        self._per_slot = 0
 
     def route(self, slot_ids: torch.Tensor, slots: Sequence[int]) -> None:
         """``slot_ids[i]`` is row ``i``'s slot; ``slots`` every slot that runs (sorted, a
         superset of the slots in ``slot_ids``: those present on any rank)."""
-        order = torch.argsort(slot_ids, stable=True)
-        counts = torch.bincount(slot_ids, minlength=max(slots, default=0) + 1).tolist()
-        self._order, self._inverse = order, torch.argsort(order)
+        slot_ids = slot_ids.cpu()
+        position = {slot: k for k, slot in enumerate(slots)}
+        rows = int(slot_ids.numel())
+        counts = [0] * len(slots)
+        for slot in slot_ids.tolist():
+            counts[position[slot]] += 1
+        per_slot = max(max(counts, default=0), 1)
+        gather = torch.full((len(slots) * per_slot,), rows, dtype=torch.long)
+        scatter = torch.empty(rows, dtype=torch.long)
+        filled = [0] * len(slots)
+        for row, slot in enumerate(slot_ids.tolist()):
+            k = position[slot]
+            target = k * per_slot + filled[k]
+            filled[k] += 1
+            gather[target], scatter[row] = row, target
         self._names = [slot_adapter_name(s) for s in slots]
-        self._splits = [counts[s] if s < len(counts) else 0 for s in slots]
+        self._gather, self._scatter, self._per_slot = gather, scatter, per_slot
 
     def clear(self) -> None:
-        self._order = self._inverse = None
+        self._gather = self._scatter = None
 
     def add_deltas(self, layer: LoRALinear, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-        if self._order is None or self._inverse is None:
+        if self._gather is None or self._scatter is None:
             raise RuntimeError(
                 "a multi-LoRA model was called without slot routing; run it through SlotTrainer "
                 "(or SlotRouter.route) so each row uses its slot's adapter."
             )
-        chunks = torch.split(x.index_select(0, self._order), self._splits)
-        deltas = [layer.delta(name, chunk) for name, chunk in zip(self._names, chunks, strict=True)]
-        delta = torch.cat(deltas).index_select(0, self._inverse)
-        return result + delta.to(result.dtype)
+        names, device = self._names, x.device
+        a = torch.stack([layer.lora_A[n].weight for n in names])  # [slots, r, in]
+        b = torch.stack([layer.lora_B[n].weight for n in names])  # [slots, out, r]
+        scales = torch.tensor(
+            [layer.specs[n].scaling for n in names], dtype=torch.float32, device=device
+        )
+        row_shape = x.shape[1:-1]
+        padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).index_select(
+            0, self._gather.to(device)
+        )  # [slots * per_slot, ..., in], slot-major; padding rows are zero
+        padded = padded.to(a.dtype).reshape(len(names), -1, x.shape[-1])
+        dropout = layer.lora_dropout[names[0]]
+        out = torch.bmm(torch.bmm(dropout(padded), a.transpose(1, 2)), b.transpose(1, 2))
+        out = (out * scales.view(-1, 1, 1)).to(result.dtype)
+        out = out.reshape(-1, *row_shape, out.shape[-1]).index_select(0, self._scatter.to(device))
+        return result + out
 
 
 def apply_slot_lora(model: nn.Module, cfg: LoRAConfig, num_slots: int) -> SlotRouter:

@@ -254,7 +254,7 @@ class SlotTrainer:
                 )  # fmt: skip
             if hyper != state.optimizer.hyper:
                 state.optimizer.set_hyper(hyper)
-            return state.optimizer.step(self.cfg.train.grad_clip, self.plan.clip_grad_norm_)
+            return state.optimizer.step(self.cfg.train.grad_clip)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[int, dict[str, float]]:
         """``forward_backward`` then ``optim_step`` of every slot in the batch."""
