@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
         "--format",
         default="hf",
         choices=FORMATS,
-        help="hf: full model; peft: LoRA adapter directory; merged: LoRA merged into the model",
+        help="hf: full model; peft: LoRA adapter directory; merged: LoRA merged into the "
+        "model; dcp: the whole training checkpoint in DCP's own shard layout (torch's tools)",
     )
     p.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES)
     p.add_argument("--max-shard-size-mb", type=int, default=2048)

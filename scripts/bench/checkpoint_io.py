@@ -112,9 +112,13 @@ def evict(path: Path) -> None:
 
 
 def raw_write(path: Path, nbytes: int) -> float:
-    """Seconds to write ``nbytes`` sequentially into a new file and fsync it."""
+    """Seconds to write ``nbytes`` sequentially into a new file and fsync it.
+
+    The file is not deleted during the timed part of a run: on a filesystem mounted with
+    ``discard`` (the development VM), freeing blocks makes the *next* commit wait, which
+    would land on whichever save comes next.
+    """
     chunk = os.urandom(RAW_CHUNK)  # incompressible, generated outside the timing
-    path.unlink(missing_ok=True)
     start = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
         left = nbytes
@@ -133,6 +137,10 @@ def raw_read(path: Path) -> tuple[float, int]:
         while n := f.readinto(buffer):
             total += n
     return time.perf_counter() - start, total
+
+
+def checkpoint_name(fmt: str, repeat: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{fmt}_{repeat}"
 
 
 def build_trainer(overrides: list[str], run_dir: Path, threads: int = 0):
@@ -202,19 +210,30 @@ def role_train(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     train_peak = peak_rss_mb()
     params = sum(p.numel() for p in trainer.model.parameters())
     clock = PhaseClock()
-    trainer.checkpointer = Checkpointer(
-        work / "checkpoints", fsync=True, write_threads=args.write_threads, fault_hook=clock
-    )
-    saves, raws, nbytes = [], [], 0
-    for r in range(args.repeats):
+    checkpointers = {
+        fmt: Checkpointer(
+            work / "checkpoints",
+            fsync=True,
+            write_threads=args.write_threads,
+            storage_format=fmt,
+            fault_hook=clock,
+        )  # fmt: skip
+        for fmt in args.formats
+    }
+    saves: dict[str, list] = {fmt: [] for fmt in args.formats}
+    nbytes: dict[str, int] = {}
+    raws: list[float] = []
+    for r in range(args.repeats):  # interleaved: raw write, then one save of each format
         if nbytes:
-            raws.append(raw_write(work / RAW_FILE, nbytes))
-        clock.marks.clear()
-        start = time.perf_counter()
-        published = trainer.save_checkpoint(f"{CHECKPOINT_PREFIX}{r}")
-        saves.append(save_breakdown(clock, start, time.perf_counter()))
-        nbytes = version_bytes(published.path)
-    raws.append(raw_write(work / RAW_FILE, nbytes))
+            raws.append(raw_write(work / f"{RAW_FILE}.{r}", max(nbytes.values())))
+        for fmt in args.formats:
+            trainer.checkpointer = checkpointers[fmt]
+            clock.marks.clear()
+            start = time.perf_counter()
+            published = trainer.save_checkpoint(checkpoint_name(fmt, r))
+            saves[fmt].append(save_breakdown(clock, start, time.perf_counter()))
+            nbytes[fmt] = version_bytes(published.path)
+    raws.append(raw_write(work / RAW_FILE, max(nbytes.values())))  # what resume reads
     return {
         "params": params,
         "checkpoint_bytes": nbytes,
@@ -231,11 +250,13 @@ def role_resume(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any
     from veoptim.checkpoint.checkpointer import Checkpointer
 
     work = Path(args.workdir)
-    name = f"{CHECKPOINT_PREFIX}{args.repeats - 1}"
+    name = checkpoint_name(args.formats[0], args.repeats - 1)
     trainer = build_trainer(overrides, work / "run", args.threads)
     built_rss = current_rss_mb()
     clock = PhaseClock()
-    trainer.checkpointer = Checkpointer(work / "checkpoints", fsync=True, fault_hook=clock)
+    trainer.checkpointer = Checkpointer(
+        work / "checkpoints", fsync=True, storage_format=args.formats[0], fault_hook=clock
+    )
     version = (work / "checkpoints" / name).resolve()
 
     def timed_load() -> dict[str, float]:
@@ -270,12 +291,14 @@ def role_resume(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any
 
 
 # --------------------------------------------------------------- orchestrator
-def run_role(role: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run_role(
+    role: str, args: argparse.Namespace, workdir: Path, formats: list[str]
+) -> dict[str, Any]:
     """Run one role in a fresh interpreter (its own ru_maxrss); returns its JSON line."""
     cmd = [sys.executable, __file__, "--role", role, "--workdir", str(workdir),
            "--size-mb", str(args.size_mb), "--repeats", str(args.repeats),
            "--steps", str(args.steps), "--threads", str(args.threads),
-           "--write-threads", str(args.write_threads)]  # fmt: skip
+           "--write-threads", str(args.write_threads), "--formats", ",".join(formats)]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
@@ -287,17 +310,53 @@ def gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def summarize(
-    args: argparse.Namespace, workdir: Path, train: dict, resume: dict, load_start: float
-) -> dict:
-    nbytes = train["checkpoint_bytes"]
-    best_save = min(train["saves"], key=lambda s: s["total_s"])
-    save_gbps, raw_w = gbps(nbytes, best_save["total_s"]), gbps(nbytes, min(train["raw_write_s"]))
-    first_load, *repeat_loads = resume["loads"]
-    best_load = min(repeat_loads, key=lambda s: s["total_s"])
-    load_gbps, raw_r = gbps(nbytes, best_load["total_s"]), gbps(nbytes, min(resume["raw_read_s"]))
+def _median_parts(parts: list[dict[str, float]]) -> dict[str, float]:
+    return {key: round(median(p[key] for p in parts), 4) for key in parts[0]}
+
+
+def summarize_format(fmt: str, train: dict, resume: dict, raw_write_s: float) -> dict:
+    """One format's figures: medians of the interleaved repeats (best save/load beside)."""
+    nbytes = train["checkpoint_bytes"][fmt]
+    saves = train["saves"][fmt]
+    first_load, *loads = resume["loads"]
+    save_s = median(s["total_s"] for s in saves)
+    load_s = median(s["total_s"] for s in loads)
+    raw_read_s = median(resume["raw_read_s"])
     train_growth = train["train_peak_rss_mb"] - train["built_rss_mb"]
     resume_growth = resume["resume_peak_rss_mb"] - resume["built_rss_mb"]
+    return {
+        "checkpoint_bytes": nbytes,
+        "save_GBps": gbps(nbytes, save_s),
+        "save_best_GBps": gbps(nbytes, min(s["total_s"] for s in saves)),
+        "save_vs_raw_write": round(raw_write_s / save_s, 3),
+        "load_GBps": gbps(nbytes, load_s),
+        "load_best_GBps": gbps(nbytes, min(s["total_s"] for s in loads)),
+        "raw_read_GBps": gbps(resume["raw_read_bytes"], raw_read_s),
+        "raw_read_warm_cache_GBps": gbps(resume["raw_read_bytes"], resume["raw_read_warm_s"]),
+        "load_vs_raw_read": round(nbytes / load_s / (resume["raw_read_bytes"] / raw_read_s), 3),
+        "first_load_in_fresh_process_GBps": gbps(nbytes, first_load["total_s"]),
+        "first_load_vs_raw_read": round(
+            nbytes / first_load["total_s"] / (resume["raw_read_bytes"] / raw_read_s), 3
+        ),
+        "save_s_each": [round(s["total_s"], 4) for s in saves],
+        "load_s_each": [round(s["total_s"], 4) for s in loads],
+        "raw_read_s_each": [round(x, 4) for x in resume["raw_read_s"]],
+        "save_breakdown_median_s": _median_parts(saves),
+        "load_breakdown_median_s": _median_parts(loads),
+        "first_load_breakdown_s": {k: round(v, 4) for k, v in first_load.items()},
+        "publication_overhead_median": round(median(s["publish_s"] for s in saves) / save_s, 4),
+        "resumed_step": resume["resumed_step"],
+        "resume_peak_rss_mb": round(resume["resume_peak_rss_mb"], 1),
+        "resume_rss_ratio": round(resume["resume_peak_rss_mb"] / train["train_peak_rss_mb"], 3),
+        "rss_growth_over_build_ratio": round(resume_growth / train_growth, 3),
+    }
+
+
+def summarize(
+    args: argparse.Namespace, workdir: Path, train: dict, resumes: dict, load_start: float
+) -> dict:
+    raw_write_s = median(train["raw_write_s"])
+    nbytes = max(train["checkpoint_bytes"].values())
     return {
         "bench": "checkpoint_io",
         "dir": str(workdir),
@@ -305,38 +364,18 @@ def summarize(
         "model_overrides": model_overrides(args.size_mb),
         "optimizer": "full_fp32_adamw (bf16 params, fp32 master + moments)",
         "params": train["params"],
-        "checkpoint_bytes": nbytes,
         "repeats": args.repeats,
         "write_threads": args.write_threads,
-        "save_GBps": save_gbps,
-        "raw_write_fsync_GBps": raw_w,
-        "save_vs_raw_write": round(save_gbps / raw_w, 3),
-        "load_GBps": load_gbps,
-        "first_load_in_fresh_process_GBps": gbps(nbytes, first_load["total_s"]),
-        "raw_read_GBps": raw_r,
-        "raw_read_warm_cache_GBps": gbps(nbytes, resume["raw_read_warm_s"]),
-        "load_vs_raw_read": round(load_gbps / raw_r, 3),
+        "statistic": "median of interleaved repeats (raw I/O and each format in turn)",
+        "raw_write_fsync_GBps": gbps(nbytes, raw_write_s),
+        "raw_write_s_each": [round(x, 4) for x in train["raw_write_s"]],
         "caches_dropped": False,
         "page_cache": "per-file posix_fadvise(DONTNEED) before every timed read (no global drop)",
-        "save_breakdown_s": {k: round(v, 4) for k, v in best_save.items()},
-        "load_breakdown_s": {k: round(v, 4) for k, v in best_load.items()},
-        "first_load_breakdown_s": {k: round(v, 4) for k, v in first_load.items()},
-        "publication_overhead": round(best_save["publish_s"] / best_save["total_s"], 4),
-        "publication_overhead_median": round(
-            median(s["publish_s"] for s in train["saves"])
-            / median(s["total_s"] for s in train["saves"]),
-            4,
-        ),
-        "resumed_step": resume["resumed_step"],
+        "formats": {
+            fmt: summarize_format(fmt, train, resumes[fmt], raw_write_s) for fmt in args.formats
+        },
         "train_peak_rss_mb": round(train["train_peak_rss_mb"], 1),
         "train_peak_rss_with_saves_mb": round(train["train_peak_rss_with_saves_mb"], 1),
-        "resume_peak_rss_mb": round(resume["resume_peak_rss_mb"], 1),
-        "resume_rss_ratio": round(resume["resume_peak_rss_mb"] / train["train_peak_rss_mb"], 3),
-        "rss_after_build_mb": {
-            "train": round(train["built_rss_mb"], 1),
-            "resume": round(resume["built_rss_mb"], 1),
-        },  # fmt: skip
-        "rss_growth_over_build_ratio": round(resume_growth / train_growth, 3),
         "target_resume_rss_ratio": f"<= {TARGET_RESUME_RSS_RATIO}",
         "loadavg_1min_start_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         "cpus": os.cpu_count(),
@@ -353,11 +392,15 @@ def main() -> None:
     parser.add_argument(
         "--write-threads", type=int, default=2, help="DCP writer threads (checkpoint.write_threads)"
     )
+    parser.add_argument(
+        "--formats", default="raw,dcp", help="checkpoint.format values, saved interleaved"
+    )
     parser.add_argument("--dir", default=None, help="parent of the work dir (default: temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir")
     parser.add_argument("--role", choices=("train", "resume"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.formats = args.formats.split(",")
     overrides = [*FIXED_OVERRIDES, *model_overrides(args.size_mb)]
     if args.role is not None:
         role = role_train if args.role == "train" else role_resume
@@ -366,9 +409,10 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="veoptim-ckpt-bench-", dir=args.dir))
     load_start = os.getloadavg()[0]  # other jobs on the machine skew every figure
     try:
-        train = run_role("train", args, workdir)
-        resume = run_role("resume", args, workdir)
-        print(json.dumps(summarize(args, workdir, train, resume, load_start)))
+        train = run_role("train", args, workdir, args.formats)
+        # One fresh process per format: each first load is a real resume.
+        resumes = {fmt: run_role("resume", args, workdir, [fmt]) for fmt in args.formats}
+        print(json.dumps(summarize(args, workdir, train, resumes, load_start)))
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -7,6 +7,7 @@ could leave behind — so the loader's own checks, not the manifest, must catch 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -35,7 +36,7 @@ from veoptim.checkpoint import Publisher, resolve, step_name
 from veoptim.checkpoint import contents as C
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.layout import MANIFEST_FILE
-from veoptim.checkpoint.safe_dcp import ALLOWED_GLOBALS
+from veoptim.checkpoint.safe_dcp import ALLOWED_GLOBALS, read_dcp_metadata
 from veoptim.errors import CheckpointError
 from veoptim.state import MODEL, OPTIMIZER, SAMPLER
 from veoptim.trainer import Trainer
@@ -195,15 +196,68 @@ def test_bf16_rounded_masters_are_rejected_not_cast(saved, live):
     )
 
 
-def test_truncated_shard_fails_in_the_read_phase(saved, live):
-    root = saved.root
-
+def _truncate_first(pattern: str) -> Callable[[Path], None]:
     def truncate(out: Path) -> None:
-        shard = next((out / C.DCP_DIR).glob("*.distcp"))
+        shard = next((out / C.DCP_DIR).glob(pattern))
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
 
-    republish(root, "truncated", edit=truncate)
-    assert_fails_closed(live, root, "truncated", "reading checkpoint")
+    return truncate
+
+
+def test_truncated_raw_data_file_is_refused_before_reading(saved, live):
+    """The default (raw) layout's index says how long every data file must be."""
+    republish(saved.root, "truncated_raw", edit=_truncate_first("*.raw"))
+    assert_fails_closed(live, saved.root, "truncated_raw", r"validating .* is truncated")
+
+
+def test_truncated_dcp_shard_fails_in_the_read_phase(saved, live):
+    """DCP's own torch_save layout (checkpoint.format=dcp) is caught when it is read."""
+    tensors = tensors_of(saved.writer)
+    republish(saved.root, "truncated_dcp", tensors, edit=_truncate_first("*.distcp"))
+    assert_fails_closed(live, saved.root, "truncated_dcp", "reading checkpoint")
+
+
+def _data_files(out: Path) -> list[Path]:
+    return sorted((out / C.DCP_DIR).glob("*.raw"))
+
+
+def test_missing_raw_data_file_is_refused_before_reading(saved, live):
+    republish(saved.root, "missing_raw", edit=lambda out: _data_files(out)[-1].unlink())
+    assert_fails_closed(live, saved.root, "missing_raw", r"validating .* is missing")
+
+
+def test_extra_data_file_is_refused_before_reading(saved, live):
+    def add(out: Path) -> None:
+        (out / C.DCP_DIR / "__0_9.raw").write_bytes(bytes(64))
+
+    republish(saved.root, "extra_raw", edit=add)
+    assert_fails_closed(live, saved.root, "extra_raw", r"does not list: \['__0_9.raw'\]")
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"dtype": "float16"}, "does not match its tensor's dtype"),
+        ({"shape": (1,)}, "does not match its tensor's dtype"),
+        ({"offset": 1 << 40}, "is truncated"),
+        ({"relative_path": "../../escape.raw"}, "malformed raw index entry"),
+        ({"length": 3}, "wrong byte length"),
+    ],
+)
+def test_corrupted_raw_index_is_refused_before_reading(saved, live, change, match):
+    """Every entry of the index (in DCP's metadata) is checked against the tensor's
+    metadata and the data files before a byte is read."""
+
+    def corrupt(out: Path) -> None:
+        path = out / C.DCP_DIR / ".metadata"
+        metadata = read_dcp_metadata(out / C.DCP_DIR)
+        key = max(metadata.storage_data, key=lambda k: metadata.storage_data[k].length)
+        metadata.storage_data[key] = dataclasses.replace(metadata.storage_data[key], **change)
+        path.write_bytes(pickle.dumps(metadata))
+
+    name = f"bad_index_{next(iter(change))}"
+    republish(saved.root, name, edit=corrupt)
+    assert_fails_closed(live, saved.root, name, match)
 
 
 def test_corrupted_metadata(saved, live):

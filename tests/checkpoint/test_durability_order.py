@@ -92,18 +92,19 @@ def assert_flushed_in_order(recorder: Recorder, root: Path, name: str) -> Path:
     return version
 
 
-def test_training_checkpoint_is_flushed_before_its_name_moves(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("fmt", "suffix"), [("raw", ".raw"), ("dcp", ".distcp")])
+def test_training_checkpoint_is_flushed_before_its_name_moves(tmp_path, monkeypatch, fmt, suffix):
     trainer = build_trainer(tmp_path / "run")
     trainer.train_step()
     root = tmp_path / "ckpt"
     recorder = Recorder()
     recorder.install(monkeypatch)
-    save_with(Checkpointer(root, fsync=True), trainer, "step_1")
+    save_with(Checkpointer(root, fsync=True, storage_format=fmt), trainer, "step_1")
     version = assert_flushed_in_order(recorder, root, "step_1")
     # The contract covers every kind of file a training checkpoint holds.
     names = {str(p.relative_to(version)) for p in version.rglob("*") if p.is_file()}
     assert {C.INFO_FILE, f"{C.DCP_DIR}/.metadata", MANIFEST_FILE} <= names
-    assert any(n.endswith(".distcp") for n in names)
+    assert any(n.endswith(suffix) for n in names)
     assert any(n.startswith(f"{C.STATE_DIR}/") and n.count("/") == 1 for n in names)
     assert any(n.startswith(f"{C.STATE_DIR}/") and n.count("/") == 2 for n in names)
 

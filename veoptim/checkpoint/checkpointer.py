@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from veoptim.checkpoint import contents as C
 from veoptim.checkpoint.component import (
@@ -34,10 +35,12 @@ from veoptim.checkpoint.component import (
     StateComponent,
     check_component_name,
 )
+from veoptim.checkpoint.durable import fsync_all
 from veoptim.checkpoint.faults import FaultHook, fire
 from veoptim.checkpoint.inventory import compare_inventory, prefixed, saved_inventory
 from veoptim.checkpoint.manifest import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
+from veoptim.checkpoint.raw_writer import RawFileSystemWriter
 from veoptim.checkpoint.resolve import latest_complete, resolve_agreed
 from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 from veoptim.checkpoint.validate import check_components, check_info, read_json
@@ -57,6 +60,12 @@ _DCP_WRITER_TARGET = "_write_files_from_queue"
 #: DCP writer threads per rank: each writes its own shard file. Two measured 1.35x the
 #: save throughput of one on the development VM (docs/benchmarks.md).
 DEFAULT_WRITE_THREADS = 2
+#: Byte layouts of the DCP shards (checkpoint.format): ``raw`` (veoptim's, fast; read by
+#: veoptim, converted by ``veoptim-export --format dcp``) or ``dcp`` (DCP's own
+#: ``torch_save`` records, readable by torch's tools). Both are read whatever is configured.
+FORMAT_RAW, FORMAT_DCP = "raw", "dcp"
+FORMATS = (FORMAT_RAW, FORMAT_DCP)
+DEFAULT_FORMAT = FORMAT_RAW
 
 
 class Checkpointer:
@@ -70,13 +79,19 @@ class Checkpointer:
         keep_last: int = 0,
         fsync: bool = True,
         write_threads: int = DEFAULT_WRITE_THREADS,
+        storage_format: str = DEFAULT_FORMAT,
         group: Any = None,
         async_group: Any = None,
         fault_hook: FaultHook | None = None,
     ) -> None:
         if write_threads < 1:
             raise ConfigError(f"checkpoint.write_threads must be >= 1, got {write_threads}.")
+        if storage_format not in FORMATS:
+            raise ConfigError(
+                f"checkpoint.format must be one of {list(FORMATS)}, got {storage_format!r}."
+            )
         self.root = Path(root)
+        self.storage_format = storage_format
         self.write_threads, self.fsync = write_threads, fsync
         self.group, self.async_group, self.fault_hook = group, async_group, fault_hook
         self.publisher = Publisher(
@@ -101,8 +116,11 @@ class Checkpointer:
         ``layout`` (JSON) describes the parallel layout the state was saved under;
         ``weights_only`` records that ``components`` are a weights-only subset of the run's
         state (a "sampler" checkpoint), which a full resume refuses before reading anything.
-        Every stage ends in agreement: gathering, creating the writer, the DCP write (DCP
-        agrees itself), the JSON files, then the publisher's manifest, flush and point.
+        Every stage ends in agreement: gathering, creating the writer, the JSON files, the
+        DCP write (DCP agrees itself), then the publisher's manifest, flush and point. With
+        ``fsync`` every file is flushed by the rank that writes it (the JSON files together,
+        before the tensors; DCP's shards by its writer), so the publisher does not fsync
+        them a second time.
         """
         self.wait()
         for component_name in components:
@@ -115,12 +133,19 @@ class Checkpointer:
 
         def make_writer() -> FileSystemWriter:
             fire(self.fault_hook, PHASE_WRITER)
-            return FileSystemWriter(
+            kind = RawFileSystemWriter if self.storage_format == FORMAT_RAW else FileSystemWriter
+            return kind(
                 pending.path / C.DCP_DIR, sync_files=self.fsync, thread_count=self.write_threads
             )
 
+        def write_json() -> None:
+            written = self._write_json(states, pending.path, step, dict(layout or {}), weights_only)
+            if self.fsync:
+                fsync_all(written)
+
         states = pending.run("gathering state", gather)
         writer = pending.run("creating the writer", make_writer)
+        pending.run("writing the JSON state", write_json)
         tensors = {key: state.tensors for key, state in states.items() if state.tensors}
         future: Future | None = None
         error: BaseException | None = None
@@ -135,7 +160,6 @@ class Checkpointer:
             error = readable(exc)
         if error is None:
             try:
-                self._write_json(states, pending.path, step, dict(layout or {}), weights_only)
                 fire(self.fault_hook, PHASE_WRITE)
             except PHASE_ERRORS as exc:
                 error = exc
@@ -144,7 +168,7 @@ class Checkpointer:
             return None
         if future is not None:
             _quietly_wait(future)
-        return pending.finish(error)
+        return pending.finish(error, files_flushed=True)
 
     def wait(self) -> Published | None:
         """Finish the in-flight async save (publish it, or raise its agreed failure)."""
@@ -157,7 +181,7 @@ class Checkpointer:
             future.result()
         except PHASE_ERRORS as exc:
             error = readable(exc)
-        return pending.finish(error)
+        return pending.finish(error, files_flushed=True)
 
     def abandon(self) -> str | None:
         """Drop the in-flight async save without publishing it (training failed; peers may be
@@ -177,10 +201,11 @@ class Checkpointer:
         step: int,
         layout: dict[str, Any],
         weights_only: bool,
-    ) -> None:
+    ) -> list[Path]:
         """Each component's JSON (rank 0 the shared ones, every rank its own), then, on rank 0,
-        ``checkpoint.json`` describing them."""
+        ``checkpoint.json`` describing them; returns the files written."""
         me = rank(self.group)
+        written: list[Path] = []
         entries: dict[str, dict[str, Any]] = {}
         for name, state in states.items():
             scope = None
@@ -194,9 +219,10 @@ class Checkpointer:
                 if state.json_per_rank or me == 0:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_text(json.dumps(state.json, indent=1))
+                    written.append(target)
             entries[name] = {C.COMPONENT_TENSORS: bool(state.tensors), C.COMPONENT_JSON: scope}
         if me != 0:
-            return
+            return written
         info = {
             C.INFO_FORMAT: C.CHECKPOINT_FORMAT,
             C.INFO_FORMAT_VERSION: C.CHECKPOINT_FORMAT_VERSION,
@@ -207,6 +233,7 @@ class Checkpointer:
             C.INFO_COMPONENTS: entries,
         }
         (path / C.INFO_FILE).write_text(json.dumps(info, indent=1))
+        return [*written, path / C.INFO_FILE]
 
     # ------------------------------------------------------------------ load
     def latest(self) -> str | None:
@@ -239,17 +266,17 @@ class Checkpointer:
         """
         self.wait()
         staged: dict[str, Staged] = {}
-        step = 0
+        step, metadata = 0, None
         outcome: bool | BaseException = True
         try:
-            staged, step = self._stage(components, path, exact)
+            staged, step, metadata = self._stage(components, path, exact)
             fire(self.fault_hook, PHASE_VALIDATE)
         except PHASE_ERRORS as exc:
             outcome = exc
         agree(outcome, f"validating checkpoint {path}", self.group)
         outcome = True
         try:
-            self._read(staged, path)
+            self._read(staged, path, metadata)
             fire(self.fault_hook, PHASE_READ)
         except PHASE_ERRORS as exc:
             outcome = readable(exc)
@@ -273,8 +300,9 @@ class Checkpointer:
 
     def _stage(
         self, components: Components, path: Path, exact: bool
-    ) -> tuple[dict[str, Staged], int]:
-        """Validate the whole checkpoint against the live components; allocate read buffers."""
+    ) -> tuple[dict[str, Staged], int, Metadata]:
+        """Validate the whole checkpoint against the live components; allocate read buffers.
+        Returns the staged components, the step and the (validated) DCP metadata."""
         info = check_info(read_json(path / C.INFO_FILE), path)
         saved = info[C.INFO_COMPONENTS]
         if exact and info.get(C.INFO_WEIGHTS_ONLY):
@@ -300,7 +328,7 @@ class Checkpointer:
             expected.update(prefixed(name, staged[name].expected))
             found.update(prefixed(name, view.tensors))
         compare_inventory(expected, found, dcp_dir)
-        return staged, info[C.INFO_STEP]
+        return staged, info[C.INFO_STEP], metadata
 
     def _saved_json(self, path: Path, name: str, entry: dict[str, Any], info: dict) -> Any:
         scope = entry.get(C.COMPONENT_JSON)
@@ -319,13 +347,13 @@ class Checkpointer:
             )
         return None
 
-    def _read(self, staged: dict[str, Staged], path: Path) -> None:
+    def _read(self, staged: dict[str, Staged], path: Path, metadata: Metadata | None) -> None:
         buffers = {name: s.buffers for name, s in staged.items() if s.buffers}
         if not buffers:
             return
         dcp.load(
             buffers,
-            storage_reader=SafeFileSystemReader(path / C.DCP_DIR),
+            storage_reader=SafeFileSystemReader(path / C.DCP_DIR, metadata),
             # Validation matched every loaded component's inventory exactly; other saved
             # components (e.g. the optimizer on a weights-only load) are left unread.
             planner=DefaultLoadPlanner(allow_partial_load=True),

@@ -5,8 +5,10 @@ scheduler/RNG files, small adapters: reading them back costs nothing measurable)
 files (multi-GB DCP shards, safetensors) get their size only: hashing them would re-read
 every byte the save just wrote and roughly double the save's I/O time, while their
 integrity inside is covered by the loader's validation (DCP metadata, tensor shapes). The
-manifest is written through a temporary file and ``os.replace``, so it is either absent or
-whole.
+manifest is written in place and flushed by the publisher together with the version's
+directories; it is reachable only once the name moves to the version, after that flush, so
+a partial manifest (a crash while writing it) can only exist in an unpublished version,
+which no name points to and the next save removes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from veoptim.checkpoint.layout import MANIFEST_FILE, MANIFEST_TEMP_FILE, manifest_path
-from veoptim.checkpoint.layout import manifest_temp_path as _manifest_temp_path
 from veoptim.errors import CheckpointError
 
 MANIFEST_FORMAT = "veoptim.checkpoint.manifest"
@@ -141,16 +142,11 @@ def build_manifest(
     )
 
 
-def write_manifest(version: Path, manifest: Manifest, *, fsync: bool) -> Path:
-    """Write the manifest atomically (temp file, optional fsync, ``os.replace``)."""
-    tmp, final = _manifest_temp_path(version), manifest_path(version)
-    data = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, final)
+def write_manifest(version: Path, manifest: Manifest) -> Path:
+    """Write the manifest (unflushed: the publisher flushes it with the directories, one
+    merged flush instead of a temporary file's fsync, rename and directory fsync)."""
+    final = manifest_path(version)
+    final.write_bytes(json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode())
     return final
 
 

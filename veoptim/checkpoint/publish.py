@@ -15,9 +15,11 @@ A save is one sequence of phases, run by ``PendingVersion._begin`` and
 them, in this order:
 
 1. prepare (rank 0): refuse a legacy directory, clean debris, create the version directory;
-2. write (every rank): the caller's files, then fsync of the files this rank can see;
+2. write (every rank): the caller's files, then fsync of the files this rank can see
+   (skipped when the caller says its writers already flushed them: ``files_flushed``);
 3. manifest (rank 0): written last, listing every other file;
-4. flush (rank 0): fsync of every directory of the version and of ``.versions``;
+4. flush (rank 0): fsync of the manifest, every directory of the version and ``.versions``,
+   concurrently (one merged device flush: see ``durable.py``);
 5. point (rank 0): a temporary relative symlink ``os.replace``-d over the name, fsync of
    the root; rolled back if anything fails after the replace;
 6. retain (rank 0, best-effort): ``keep_last`` and cleanup; never fails the save.
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from veoptim.checkpoint.durable import fsync_dir, fsync_tree
+from veoptim.checkpoint.durable import fsync_all, fsync_dir, fsync_tree, tree
 from veoptim.checkpoint.faults import (
     PHASE_AFTER_MANIFEST,
     PHASE_AFTER_REPLACE,
@@ -55,6 +57,7 @@ from veoptim.checkpoint.faults import (
 from veoptim.checkpoint.layout import (
     link_path,
     link_target,
+    manifest_path,
     new_version_id,
     temp_link_path,
     validate_name,
@@ -201,16 +204,21 @@ class PendingVersion:
         self._agreed(f"checkpoint {self.name!r} prepare in {self.root}", prepare)
         self.version_id = broadcast_from_rank0(self.version_id, pub.group)
 
-    def finish(self, error: BaseException | None) -> Published:
+    def finish(self, error: BaseException | None, *, files_flushed: bool = False) -> Published:
         """Phases 2-6 (collective): write, manifest, flush, point; then retain on rank 0.
 
         ``error``: this rank's failure to write its files (None if they are all written).
+        ``files_flushed``: this rank's writers fsynced every file they wrote (the checkpointer:
+        DCP's writer and its own JSON), so phase 2 need not fsync them again: every fsync
+        costs a device flush even on a clean file.
         """
         if self._finished:
             raise CheckpointError(f"Checkpoint version {self.path} was already finished.")
         self._finished = True
         pub, what = self.publisher, f"checkpoint {self.name!r}"
-        self._agreed(f"{what} write into {self.path}", self._write, error=error)
+        self._agreed(
+            f"{what} write into {self.path}", lambda: self._write(files_flushed), error=error
+        )
 
         def publish() -> Published:  # rank 0
             manifest = self._write_manifest()
@@ -264,11 +272,11 @@ class PendingVersion:
             raise
         self.version_id = version_id
 
-    def _write(self) -> None:
-        """Every rank, after its writes: flush every file it can see in the version (each
-        writer flushes its own; a clean file's fsync is nearly free)."""
+    def _write(self, files_flushed: bool) -> None:
+        """Every rank, after its writes: flush every file it can see in the version, unless
+        its writers already did (then every file is flushed by the rank that wrote it)."""
         fire(self.publisher.fault_hook, PHASE_WRITTEN)
-        if self.publisher.fsync:
+        if self.publisher.fsync and not files_flushed:
             fsync_tree(self.path, files=True, dirs=False)
 
     def _write_manifest(self) -> Manifest:
@@ -283,15 +291,16 @@ class PendingVersion:
             world_size=world_size(pub.group),
             prunable=self.prunable,
         )
-        write_manifest(self.path, manifest, fsync=pub.fsync)
+        write_manifest(self.path, manifest)  # flushed by _flush, with the directories
         return manifest
 
     def _flush(self) -> None:
-        """Rank 0: every directory entry of the version is durable before the name moves."""
+        """Rank 0: the manifest and every directory entry of the version are durable before
+        the name moves (one concurrent batch: the flushes merge)."""
         pub = self.publisher
-        if pub.fsync:
-            fsync_tree(self.path, files=False, dirs=True)  # subdirectories, then the version
-            fsync_dir(versions_dir(self.root))  # the version directory's own entry
+        if pub.fsync:  # the manifest, every directory, the version's entry in .versions
+            dirs = [*tree(self.path)[1], versions_dir(self.root)]
+            fsync_all(files=[manifest_path(self.path)], dirs=dirs)
         fire(pub.fault_hook, PHASE_AFTER_MANIFEST)
 
     def _point(self) -> str | None:

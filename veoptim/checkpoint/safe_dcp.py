@@ -9,6 +9,7 @@ only rebuild DCP's own metadata classes, and refuses bytes entries.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import warnings
@@ -17,7 +18,11 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
+from veoptim.checkpoint.raw_format import DTYPES, RawChunk, check_storage
+from veoptim.checkpoint.raw_reader import read_raw_items
 from veoptim.errors import CheckpointError
 
 # DCP warns on every single-process save/load that it "assumes" one process: intended here.
@@ -41,23 +46,8 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
         )
     }
     | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
-    | {
-        ("torch", name)
-        for name in (
-            "Size",
-            "float32",
-            "bfloat16",
-            "float16",
-            "float64",
-            "int64",
-            "int32",
-            "int16",
-            "int8",
-            "uint8",
-            "bool",
-            "strided",
-        )
-    }  # fmt: skip
+    | {(RawChunk.__module__, RawChunk.__name__)}
+    | {("torch", name) for name in ("Size", "strided", *DTYPES)}  # dtypes are plain values
     | {("torch._utils", "_get_layout")}
     | {("torch.serialization", "_get_layout")}
     | {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
@@ -96,16 +86,40 @@ def read_dcp_metadata(dcp_dir: Path) -> Metadata:
                 f"DCP checkpoint {dcp_dir} stores non-tensor entry {key!r} as a pickle; veoptim "
                 "checkpoints keep non-tensor state in JSON and never unpickle it."
             )
+    check_storage(metadata, Path(dcp_dir))
     return metadata
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """A FileSystemReader whose metadata comes from :func:`read_dcp_metadata`."""
+    """A FileSystemReader whose metadata comes from :func:`read_dcp_metadata`; reads both
+    shard layouts: ``raw`` chunks into their destinations (``raw_reader.py``), DCP's own
+    ``torch_save`` records as DCP does (weights-only ``torch.load``).
+
+    ``metadata``: the checkpoint's metadata when the caller already read (and validated)
+    it, so a load unpickles and checks ``.metadata`` once.
+    """
+
+    def __init__(self, path: str | Path, metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        raw = [i for i in plan.items if isinstance(self.storage_data[i.storage_index], RawChunk)]
+        if raw:
+            read_raw_items(Path(self.path), raw, self.storage_data, planner)
+        if len(raw) == len(plan.items):
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        others = [
+            i for i in plan.items if not isinstance(self.storage_data[i.storage_index], RawChunk)
+        ]
+        return super().read_data(dataclasses.replace(plan, items=others), planner)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CheckpointError("per-rank DCP metadata files are not supported by veoptim.")
-        metadata = read_dcp_metadata(Path(self.path))
+        metadata = self._metadata or read_dcp_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -3,8 +3,10 @@
 ``hf`` writes the full model as a Hugging Face directory (``write_hf_export``, the same
 writer the end-of-run export uses). ``peft`` (the LoRA adapter directory) and ``merged``
 (the LoRA adapters merged into the full model) need a LoRA checkpoint
-(``lora_formats.py``). Every format is published under ``<out>/<name>`` by the
-checkpoint publisher, kind ``hf_export``: a crash leaves the previous export published.
+(``lora_formats.py``). ``dcp`` copies the whole training checkpoint with DCP's own shard
+layout (``dcp_format.py``: for torch's tools; a checkpoint of kind ``checkpoint``). Every
+format is published under ``<out>/<name>`` by the checkpoint publisher, kind ``hf_export``
+unless said otherwise: a crash leaves the previous export published.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from veoptim.checkpoint.hf_export import KIND_HF_EXPORT, export_dtype, write_hf_export
+from veoptim.checkpoint.manifest import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import Published, Publisher
 from veoptim.errors import CheckpointError, ConfigError
+from veoptim.export.dcp_format import write_dcp
 from veoptim.export.lora_formats import write_merged, write_peft
 from veoptim.export.source import (
     CheckpointSource,
@@ -24,7 +28,7 @@ from veoptim.export.source import (
     read_model_tensors,
 )
 
-FORMATS = ("hf", "peft", "merged")
+FORMATS = ("hf", "peft", "merged", "dcp")
 LORA_FORMATS = ("peft", "merged")
 
 
@@ -54,7 +58,11 @@ def write_hf(source: CheckpointSource, out_dir: Path, options: ExportOptions) ->
     )  # fmt: skip
 
 
-WRITERS: dict[str, Writer] = {"hf": write_hf, "peft": write_peft, "merged": write_merged}
+WRITERS: dict[str, Writer] = {
+    "hf": write_hf, "peft": write_peft, "merged": write_merged, "dcp": write_dcp,
+}  # fmt: skip
+#: Formats whose result is not an HF export: the DCP copy is a resumable training checkpoint.
+KINDS = {"dcp": KIND_CHECKPOINT}
 
 
 def check_format(source: CheckpointSource, fmt: str) -> Writer:
@@ -88,7 +96,7 @@ def export_checkpoint(
     source = open_checkpoint(checkpoint)
     writer = check_format(source, fmt)
     pending = Publisher(out_root, fsync=fsync).begin(
-        name, kind=KIND_HF_EXPORT, step=source.step, prunable=False
+        name, kind=KINDS.get(fmt, KIND_HF_EXPORT), step=source.step, prunable=False
     )
     try:
         writer(source, pending.path, options)

@@ -1,7 +1,8 @@
 """Spawn worker of the async-save tests: real trainer runs with ``checkpoint.async_save``.
 
-A *write gate* wraps DCP's ``FileSystemWriter.write_data`` (the storage layer, which
-runs on the background thread of an async save) for one checkpoint name: it either
+A *write gate* wraps the storage writers' ``write_data`` (DCP's ``FileSystemWriter`` and
+veoptim's ``RawFileSystemWriter``: the storage layer, which runs on the background thread
+of an async save) for one checkpoint name: it either
 holds the write until the training loop has finished the next step (so the snapshot
 is written after the live tensors moved on), or raises ``ENOSPC`` on one rank (a
 storage failure). Everything else — trainer, callback, Checkpointer, DCP — is real.
@@ -35,7 +36,13 @@ class WriteGate:
     def install(self) -> None:
         from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
-        original = _FileSystemWriter.write_data
+        from veoptim.checkpoint.raw_writer import RawFileSystemWriter
+
+        for kind in (_FileSystemWriter, RawFileSystemWriter):
+            self._wrap(kind)
+
+    def _wrap(self, kind: type) -> None:
+        original = kind.write_data
         gate = self
 
         def write_data(writer: Any, plan: Any, planner: Any) -> Any:
@@ -49,7 +56,7 @@ class WriteGate:
                 gate.held_until_released = not gate.timed_out
             return original(writer, plan, planner)
 
-        _FileSystemWriter.write_data = write_data
+        kind.write_data = write_data
 
     def arm(self, target: str | None, *, fail: bool = False) -> None:
         self.target, self.fail = target, fail

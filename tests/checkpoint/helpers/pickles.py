@@ -25,6 +25,7 @@ def dangerous_payloads(marker: Path) -> dict[tuple[str, str], bytes]:
     touch = f"touch {marker}"
     code = f"open({str(marker)!r}, 'w').close()"
     meta, fs = "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"
+    raw = "veoptim.checkpoint.raw_format"
     return {
         ("builtins", "eval"): _call_global("builtins", "eval", code),
         ("builtins", "exec"): _call_global("builtins", "exec", code),
@@ -41,4 +42,6 @@ def dangerous_payloads(marker: Path) -> dict[tuple[str, str], bytes]:
         ("torch._utils", "os.system"): _call_global("torch._utils", "os.system", touch),
         ("pathlib", "os.system"): _call_global("pathlib", "os.system", touch),
         ("collections", "namedtuple"): _call_global("collections", "namedtuple", "T", "a"),
+        (raw, "os.system"): _call_global(raw, "os.system", touch),
+        (raw, "check_storage"): _call_global(raw, "check_storage"),
     }

@@ -1,0 +1,58 @@
+"""``veoptim-export --format dcp``: a training checkpoint rewritten in DCP's own shard layout.
+
+veoptim writes its shards in the ``raw`` layout by default (``checkpoint.format``), which
+only veoptim reads. This writer produces a copy of the whole checkpoint (every component:
+``checkpoint.json``, ``state/``, and ``dcp/`` with the same keys and nesting) whose shards
+are DCP's ``torch_save`` records, so torch's own tools read it
+(``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``) and veoptim resumes from
+it like from the original. The tensors are copied exactly (``--dtype`` does not apply);
+the host holds every tensor of the checkpoint, unsharded, while it converts.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+
+from veoptim.checkpoint import contents as C
+from veoptim.checkpoint.layout import MANIFEST_FILE
+from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
+from veoptim.errors import CheckpointError
+
+
+def _nested(flat: dict[str, torch.Tensor], metadata: Metadata, where: Path) -> dict[str, Any]:
+    """The state dict as it was saved (``planner_data`` maps each flat key to its path)."""
+    paths = metadata.planner_data or {key: (key,) for key in flat}
+    out: dict[str, Any] = {}
+    for key, tensor in flat.items():
+        path = paths.get(key)
+        if not path or not all(isinstance(part, str) for part in path):
+            raise CheckpointError(f"DCP metadata {where} has no usable path for key {key!r}.")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = tensor
+    return out
+
+
+def write_dcp(source: Any, out_dir: Path, options: Any) -> None:
+    """Copy ``source``'s checkpoint into ``out_dir`` with DCP ``torch_save`` shards."""
+    dcp_dir = source.version / C.DCP_DIR
+    metadata = read_dcp_metadata(dcp_dir)
+    flat = {
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+    }
+    dcp.load(flat, storage_reader=SafeFileSystemReader(dcp_dir, metadata), no_dist=True)
+    for item in source.version.iterdir():
+        if item.name in (MANIFEST_FILE, C.DCP_DIR):
+            continue
+        (shutil.copytree if item.is_dir() else shutil.copy2)(item, out_dir / item.name)
+    writer = FileSystemWriter(out_dir / C.DCP_DIR, sync_files=False)  # the publisher flushes
+    dcp.save(_nested(flat, metadata, dcp_dir), storage_writer=writer, no_dist=True)
