@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from veoptim.errors import ConfigError
 from veoptim.optim.base import ValidatedOptimizerMixin
+from veoptim.optim.compiled_kernel import check_kernel, compiled_update_, use_compiled
 from veoptim.optim.dtensor_util import global_flat_offset, local, wrap_like
 from veoptim.optim.fused_engine import (
     DEFAULT_FUSED_CHUNK,
@@ -83,6 +84,7 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
         sr_seed: int = 0,
         chunk_size: int = 1 << 20,
         fused_chunk_size: int = DEFAULT_FUSED_CHUNK,
+        kernel: str = "auto",
         param_names: Mapping[int, str] | None = None,
     ) -> None:
         check_bool("amsgrad", amsgrad)
@@ -112,6 +114,9 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
         self.sr_seed = sr_seed
         self.chunk_size = chunk_size
         self.fused_chunk_size = fused_chunk_size
+        #: "auto": a compiled mixed-dtype kernel on cuda/npu, the eager engine on CPU
+        #: ("eager", "compiled" force one); see compiled_kernel.py.
+        self.kernel = check_kernel(kernel)
         self.param_names: dict[int, str] = dict(param_names or {})
         self._init_runtime()
         super().__init__(params, defaults)
@@ -134,6 +139,7 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
         "sr_seed",
         "chunk_size",
         "fused_chunk_size",
+        "kernel",
     )
 
     def _settings(self) -> dict[str, Any]:
@@ -142,7 +148,8 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
     def _restore_settings(self, settings: Mapping[str, Any]) -> None:
         super()._restore_settings(settings)
         for k in self._SETTINGS:
-            setattr(self, k, settings[k])
+            # pickles from before the kernel option have none: the default
+            setattr(self, k, settings.get(k, "auto") if k == "kernel" else settings[k])
         self._init_runtime()
         # No marks: the first step compares each parameter with its master once, which also
         # re-aliases resident FP32 masters (a deepcopy clones a Parameter apart from its state).
@@ -300,7 +307,12 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
                 staging = self._staging[device] = StagingBuffer(self.chunk_size, device)
             offload_update_(batch, hp, staging, self._host_scratch, self.stochastic_rounding)
         else:
-            adamw_update_(batch, hp, self._scratch, self.fused_chunk_size, self.stochastic_rounding)
+            device = batch.masters[0].device
+            sr = self.stochastic_rounding
+            if not (
+                use_compiled(self.kernel, device.type, sr) and compiled_update_(batch, hp, device)
+            ):
+                adamw_update_(batch, hp, self._scratch, self.fused_chunk_size, sr)
         for p in params:
             self._marks[p] = mark_of(p)
 

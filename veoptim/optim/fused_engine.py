@@ -12,6 +12,7 @@ single whole-tensor call: the result is bitwise independent of the chunk size.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,17 +124,49 @@ def _widen(
     """FP32 copies of ``views`` packed into one scratch buffer (views already FP32 are returned)."""
     if all(v.dtype == torch.float32 for v in views):
         return views
-    buf = scratch.get(name, total, views[0].device)
-    out, offset = [], 0
-    for v in views:
-        out.append(buf[offset : offset + v.numel()])
-        offset += v.numel()
+    out = scratch_views(scratch, name, [v.numel() for v in views], total, views[0].device)
     torch._foreach_copy_(out, views)
     return out
 
 
+def scratch_views(
+    scratch: Scratch, name: str, sizes: list[int], total: int, device: torch.device
+) -> list[torch.Tensor]:
+    """Consecutive views of sizes ``sizes`` into the FP32 scratch buffer ``name``."""
+    return list(scratch.get(name, total, device)[:total].split(sizes))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(numels: tuple[int, ...], chunk: int) -> tuple[tuple[Segment, ...], ...]:
+    return tuple(tuple(b) for b in plan_batches(list(numels), chunk))
+
+
+def _segment(t: torch.Tensor, s: Segment) -> torch.Tensor:
+    """``t[start:end]``; the tensor itself when the segment covers it (one op less)."""
+    return t if s.start == 0 and s.end == t.numel() else t[s.start : s.end]
+
+
+class _Widened:
+    """The kernel's FP32 operand list for one batch, and the copies that fill/drain it."""
+
+    def __init__(
+        self, scratch: Scratch, name: str, store: list[torch.Tensor], sizes: list[int], total: int
+    ) -> None:
+        self.store = store
+        self.narrow = any(t.dtype != torch.float32 for t in store)
+        self.fp32 = (
+            scratch_views(scratch, name, sizes, total, store[0].device) if self.narrow else store
+        )
+
+
 def adamw_update_(batch: UpdateBatch, hp: Hyper, scratch: Scratch, chunk: int, sr: bool) -> None:
-    """One AdamW update of every tensor in ``batch`` (steps already incremented)."""
+    """One AdamW update of every tensor in ``batch`` (steps already incremented).
+
+    Per batch of segments: one ``_foreach_copy_`` widens every narrow operand (gradient,
+    moments) into scratch, one fused kernel updates, one ``_foreach_copy_`` narrows the
+    moments back and writes the parameters from the masters (RNE). Fewer dispatches per
+    batch let the batches be small enough for the widened operands to stay in L2.
+    """
     if not batch.masters:
         return
     kwargs = hp.kernel_kwargs()
@@ -145,30 +178,39 @@ def adamw_update_(batch: UpdateBatch, hp: Hyper, scratch: Scratch, chunk: int, s
             batch.masters, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, [], batch.steps, **kwargs
         )
         return
-    for segs in plan_batches([m.numel() for m in batch.masters], chunk):
-        total = sum(s.end - s.start for s in segs)
-        masters = [batch.masters[s.index][s.start : s.end] for s in segs]
-        grads = _widen(
-            scratch, "grad", [batch.grads[s.index][s.start : s.end] for s in segs], total
-        )
-        m_store = [batch.exp_avgs[s.index][s.start : s.end] for s in segs]
-        v_store = [batch.exp_avg_sqs[s.index][s.start : s.end] for s in segs]
-        m32 = _widen(scratch, "exp_avg", m_store, total)
-        v32 = _widen(scratch, "exp_avg_sq", v_store, total)
+    for segs in _cached_plan(tuple(m.numel() for m in batch.masters), align_chunk(chunk)):
+        sizes = [s.end - s.start for s in segs]
+        total = sum(sizes)
+        masters = [_segment(batch.masters[s.index], s) for s in segs]
+        operands = [
+            _Widened(scratch, name, [_segment(store[s.index], s) for s in segs], sizes, total)
+            for name, store in (
+                ("grad", batch.grads),
+                ("exp_avg", batch.exp_avgs),
+                ("exp_avg_sq", batch.exp_avg_sqs),
+            )
+        ]
+        widen = [w for w in operands if w.narrow]
+        if widen:
+            torch._foreach_copy_(
+                [t for w in widen for t in w.fp32], [t for w in widen for t in w.store]
+            )
+        grads, m32, v32 = (w.fp32 for w in operands)
         steps = [batch.steps[s.index] for s in segs]
         torch._fused_adamw_(masters, grads, m32, v32, [], steps, **kwargs)
-        if m32 is not m_store:
-            torch._foreach_copy_(m_store, m32)
-        if v32 is not v_store:
-            torch._foreach_copy_(v_store, v32)
+        dst = [t for w in operands[1:] if w.narrow for t in w.store]
+        src = [t for w in operands[1:] if w.narrow for t in w.fp32]
         pairs = [(i, s) for i, s in enumerate(segs) if batch.outs[s.index] is not None]
-        if pairs:
+        if pairs and not sr:
+            dst += [_segment(batch.outs[s.index], s) for _, s in pairs]
+            src += [masters[i] for i, _ in pairs]
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if pairs and sr:
             write_back_(
-                [batch.outs[s.index][s.start : s.end] for _, s in pairs],
+                [_segment(batch.outs[s.index], s) for _, s in pairs],
                 [masters[i] for i, _ in pairs],
-                stochastic=sr,
-                keys=[batch.sr_keys[s.index] for _, s in pairs] if sr else None,
-                first_indices=[batch.sr_offsets[s.index] + s.start for _, s in pairs]
-                if sr
-                else None,
+                stochastic=True,
+                keys=[batch.sr_keys[s.index] for _, s in pairs],
+                first_indices=[batch.sr_offsets[s.index] + s.start for _, s in pairs],
             )

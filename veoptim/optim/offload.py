@@ -10,7 +10,9 @@ host -> device. Before a slot is read, reused or grown, the transfers it is
 part of are waited for. Slots are allocated once (pinned where the device is an
 accelerator) and reused across chunks and parameters, so pinned memory stays at
 ``3 * chunk * 4`` bytes whatever the model size. On a CPU-only run the same
-chunked code runs with plain synchronous copies.
+chunked code runs with plain synchronous copies; there the gradient is widened
+to FP32 while it is fetched and the parameter is written from the master in
+place (no transfer to overlap, so the extra slot copies would only cost passes).
 
 Everything device-specific (pinned allocation, non-blocking copies, events on
 the device's current stream) is the device's :class:`Accelerator`
@@ -64,11 +66,16 @@ class StagingBuffer:
     def _record(self, slot: _Slot) -> None:
         slot.event = self.accel.record_event(self.device)
 
-    def fetch(self, k: int, src: torch.Tensor) -> None:
-        """Start copying a device gradient segment into grad slot ``k % 2``."""
+    def reserve(self) -> None:
+        """Allocate the three slots at ``chunk`` elements of the widest dtype (once)."""
+        for slot in (*self._grad, self._out):
+            self._view(slot, self.chunk, torch.float32)
+
+    def fetch(self, k: int, src: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Start copying a device gradient segment into grad slot ``k % 2`` (as ``dtype``)."""
         slot = self._grad[k % 2]
         slot.wait()
-        self.accel.copy_(self._view(slot, src.numel(), src.dtype), src)
+        self.accel.copy_(self._view(slot, src.numel(), dtype or src.dtype), src)
         self._record(slot)
 
     def fetched(self, k: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -105,15 +112,20 @@ def offload_update_(
     ]
     if not jobs:
         return
+    staging.reserve()
+    # A CPU "device": nothing to overlap, so widen while fetching and write the parameter in place.
+    direct = staging.device.type == "cpu"
+    fetch_dtype = torch.float32 if direct else None
     kwargs = hp.kernel_kwargs()
     i0, s0, e0 = jobs[0]
-    staging.fetch(0, batch.grads[i0][s0:e0])
+    staging.fetch(0, batch.grads[i0][s0:e0], fetch_dtype)
     for k, (i, start, end) in enumerate(jobs):
         if k + 1 < len(jobs):
             ni, ns, ne = jobs[k + 1]
-            staging.fetch(k + 1, batch.grads[ni][ns:ne])
+            staging.fetch(k + 1, batch.grads[ni][ns:ne], fetch_dtype)
         n = end - start
-        grad = _widen(scratch, "grad", [staging.fetched(k, n, batch.grads[i].dtype)], n)
+        grad = staging.fetched(k, n, fetch_dtype or batch.grads[i].dtype)
+        grad = _widen(scratch, "grad", [grad], n)
         master = batch.masters[i][start:end]
         m_store = batch.exp_avgs[i][start:end]
         v_store = batch.exp_avg_sqs[i][start:end]
@@ -121,12 +133,10 @@ def offload_update_(
         v32 = _widen(scratch, "exp_avg_sq", [v_store], n)
         torch._fused_adamw_([master], grad, m32, v32, [], [batch.steps[i]], **kwargs)
         if m32[0] is not m_store:
-            m_store.copy_(m32[0])
-        if v32[0] is not v_store:
-            v_store.copy_(v32[0])
+            torch._foreach_copy_([m_store, v_store], [m32[0], v32[0]])
         param = batch.outs[i]
         assert param is not None, "an offloaded master never aliases its device parameter"
-        out = staging.out(n, param.dtype)
+        out = param[start:end] if direct else staging.out(n, param.dtype)
         write_back_(
             [out],
             [master],
@@ -134,4 +144,5 @@ def offload_update_(
             keys=[batch.sr_keys[i]] if sr else None,
             first_indices=[batch.sr_offsets[i] + start] if sr else None,
         )
-        staging.push(param[start:end], out)
+        if not direct:
+            staging.push(param[start:end], out)

@@ -25,9 +25,16 @@ SUPPORTED_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
 SCHEDULER_STATE_KEYS = ("last_epoch", "_step_count", "base_lrs", "_last_lr")
 
 
+def warmup_steps(cfg: SchedulerConfig, max_steps: int) -> int:
+    """Warmup steps: ``warmup_ratio`` of ``max_steps`` (rounded) when set, else ``warmup_steps``."""
+    if cfg.warmup_ratio:
+        return round(cfg.warmup_ratio * max_steps)
+    return cfg.warmup_steps
+
+
 def lr_factor(cfg: SchedulerConfig, max_steps: int, step: int) -> float:
     """Multiplier of the peak LR at optimizer step ``step`` (0-based)."""
-    warmup = cfg.warmup_steps
+    warmup = warmup_steps(cfg, max_steps)
     if step < warmup:
         return (step + 1) / (warmup + 1)
     if cfg.name == "constant":
@@ -57,24 +64,30 @@ def validate_scheduler_config(cfg: SchedulerConfig, max_steps: int) -> None:
             f"scheduler.warmup_steps must be >= 0 and train.max_steps >= 1; got "
             f"warmup_steps={cfg.warmup_steps}, max_steps={max_steps}."
         )
-    if cfg.warmup_steps >= max_steps and cfg.name != "wsd":
+    if not 0.0 <= cfg.warmup_ratio < 1.0 or (cfg.warmup_ratio and cfg.warmup_steps):
+        raise ConfigError(
+            "scheduler.warmup_ratio must be in [0, 1) and set only with scheduler.warmup_steps=0; "
+            f"got warmup_ratio={cfg.warmup_ratio}, warmup_steps={cfg.warmup_steps}."
+        )
+    warmup = warmup_steps(cfg, max_steps)
+    if warmup >= max_steps and cfg.name != "wsd":
         # A short trial run (train.max_steps=5) must not need a second override.
         log.warning(
             "scheduler.warmup_steps=%d >= train.max_steps=%d: the whole run is warmup and the "
             "LR peaks at %.3g of optim.lr (set scheduler.warmup_steps below max_steps to reach "
             "the peak and decay).",
-            cfg.warmup_steps,
+            warmup,
             max_steps,
-            max_steps / (cfg.warmup_steps + 1),
+            max_steps / (warmup + 1),
         )
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise ConfigError(f"scheduler.min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}.")
     if cfg.name == "wsd":
         decay = round(cfg.decay_ratio * max_steps)
-        if not 0.0 < cfg.decay_ratio <= 1.0 or cfg.warmup_steps + decay > max_steps:
+        if not 0.0 < cfg.decay_ratio <= 1.0 or warmup + decay > max_steps:
             raise ConfigError(
                 "scheduler.decay_ratio must be in (0, 1] and warmup_steps + decay steps <= "
-                f"max_steps; got decay_ratio={cfg.decay_ratio}, warmup_steps={cfg.warmup_steps}, "
+                f"max_steps; got decay_ratio={cfg.decay_ratio}, warmup_steps={warmup}, "
                 f"max_steps={max_steps}."
             )
 
