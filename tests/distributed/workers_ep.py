@@ -55,11 +55,12 @@ def dispatch_checks(ctx: DistContext) -> dict[str, Any]:
         )  # source rank, pair order
         expected_rows += [row for _, _, row in block]
         expected_counts.append(len(block))
-    arrived_ok = per_expert == expected_counts and torch.equal(
+    arrived_ok = per_expert.counts == expected_counts and torch.equal(
         rows.detach(), torch.stack(expected_rows) if expected_rows else rows.new_zeros((0, HIDDEN))
     )
     scale = torch.repeat_interleave(
-        torch.tensor([g + 1.0 for g in dispatcher.local_expert_ids]), torch.tensor(per_expert)
+        torch.tensor([g + 1.0 for g in dispatcher.local_expert_ids]),
+        torch.tensor(per_expert.counts),
     )
     pairs = dispatcher.combine(rows * scale[:, None], state).view(TOKENS, TOP_K, HIDDEN)
     valid = (ids < NUM_EXPERTS).float()
@@ -71,7 +72,7 @@ def dispatch_checks(ctx: DistContext) -> dict[str, Any]:
     )
     return {
         "arrived_in_order": bool(arrived_ok),
-        "counts": per_expert,
+        "counts": per_expert.counts,
         "returned_in_order": bool(torch.equal(pairs.detach(), expected_pairs)),
         "input_grad_ok": bool(torch.equal(hidden.grad, expected_grad)),
     }

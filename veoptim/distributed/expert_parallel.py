@@ -6,6 +6,13 @@ that expert, computed there, sent back, and returned in the original
 (token, k) order. Both all-to-alls are autograd functions whose backward is the
 reverse all-to-all, so gradients reach the tokens' home ranks and the expert
 weights of the owning ranks.
+
+Host synchronisation: one per layer and step. The all-to-alls take their split sizes
+as Python ints, so the per-expert counts must reach the host once; :meth:`dispatch`
+fetches every count it needs (sent and received) in a single ``.tolist()`` and
+otherwise uses only ops whose output sizes are known on the host (no ``.item()``,
+``bincount``, ``nonzero``, or ``repeat_interleave`` without ``output_size``). Combine
+and both backwards reuse those sizes. Counted by ``tests/distributed/test_grouped_experts.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from veoptim.models.experts import RowGroups
 
 
 class _AllToAll(torch.autograd.Function):
@@ -79,31 +88,37 @@ class TokenDispatcher:
 
     def dispatch(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, list[int], DispatchState]:
+    ) -> tuple[torch.Tensor, RowGroups, DispatchState]:
         """Send tokens to their experts' ranks.
 
         ``hidden`` is ``[T, H]``, ``expert_ids`` ``[T, K]`` global expert ids
         (ids ``>= num_experts`` mark dropped pairs). Returns the rows this rank
-        must compute, grouped by local expert, and the row count per local expert.
+        must compute, sorted by local expert, and their row count per local expert
+        (on the host and, as group ends, on the device).
         """
         num_tokens, top_k = expert_ids.shape
+        num_experts, num_local = self.num_experts, self.num_local
         flat = expert_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat.clamp(max=self.num_experts), minlength=self.num_experts + 1)
-        counts = counts[: self.num_experts]
-        num_valid = int(counts.sum())
+        bins = flat.clamp(max=num_experts).long()  # bin num_experts collects dropped pairs
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+        counts = counts.scatter_add_(0, bins, torch.ones_like(bins))[:num_experts]
+        recv_counts = torch.empty_like(counts)  # [ep * num_local] from each source
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        # The layer's one host synchronisation: every split size at once.
+        host = torch.cat([counts, recv_counts]).tolist()
+        send_splits = [sum(host[r * num_local : (r + 1) * num_local]) for r in range(self.ep)]
+        received_counts = host[num_experts:]  # (source rank, local expert)
+        recv_splits = [
+            sum(received_counts[r * num_local : (r + 1) * num_local]) for r in range(self.ep)
+        ]
+        per_expert = [sum(received_counts[e::num_local]) for e in range(num_local)]
+        num_valid = sum(send_splits)
         send_rows = hidden[order[:num_valid] // top_k]
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(
-            recv_counts, counts, group=self.group
-        )  # [ep * num_local] from each source
-        recv_counts = recv_counts.view(self.ep, self.num_local)
-        send_splits = counts.view(self.ep, self.num_local).sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
         received = all_to_all(send_rows, recv_splits, send_splits, self.group)
         # Received rows are ordered (source rank, local expert); group them by local expert.
-        local_ids = torch.arange(self.num_local, device=counts.device).repeat(self.ep)
-        row_expert = torch.repeat_interleave(local_ids, recv_counts.reshape(-1))
+        local_ids = torch.arange(num_local, device=counts.device).repeat(self.ep)
+        row_expert = torch.repeat_interleave(local_ids, recv_counts, output_size=sum(recv_splits))
         group_order = torch.argsort(row_expert, stable=True)
         state = DispatchState(
             num_pairs=num_tokens * top_k,
@@ -113,7 +128,8 @@ class TokenDispatcher:
             recv_splits=recv_splits,
             ungroup=torch.argsort(group_order),
         )
-        return received[group_order], recv_counts.sum(0).tolist(), state
+        ends = torch.cumsum(recv_counts.view(self.ep, num_local).sum(0), dim=0, dtype=torch.int32)
+        return received[group_order], RowGroups(per_expert, ends), state
 
     def combine(self, expert_out: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Return computed rows to their home ranks: ``[T * K, H]`` in (token, k) order (dropped pairs are 0)."""

@@ -7,6 +7,11 @@ over the whole global batch). The plan makes every gradient reduction a SUM
 gradients of the global mean loss. Expert gradients are complete on their
 owning ep rank (the all-to-all backward brings every token's contribution home)
 and then summed over ``efsdp`` (and ``dp_replicate``) by FSDP.
+
+Activation checkpointing (``model.activation_checkpointing``) is set on the decoder
+layers by ``build_model`` before the plan and needs nothing here: each layer's
+``forward`` is recomputed inside the FSDP2 unit's hooks, so parameter names and the
+sharding are those of a run without it (``veoptim/models/checkpointing.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from veoptim.distributed.mesh import ParallelMeshes, build_meshes
 from veoptim.distributed.sizes import ParallelSizes, resolve_parallel_sizes
 from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError, DistributedError
+from veoptim.models.attention import FLASH, check_attn_implementation
 from veoptim.models.experts import ExpertParallelExperts, find_fused_experts
+from veoptim.models.sharded_load import SafetensorsShards
 
 GRADIENT_DIVIDE_FACTOR = 1.0  # SUM: the loss is already normalised by the global token count
 
@@ -74,7 +81,7 @@ class ParallelPlan:
         return self.ctx.device
 
     # ---- applying the plan ---------------------------------------------------------
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, shards: SafetensorsShards | None = None) -> nn.Module:
         """Move ``model`` to the device, split experts over ``ep``, shard with FSDP2 (in place).
 
         In a single process the model is only moved to the device. With several ranks,
@@ -82,7 +89,16 @@ class ParallelPlan:
         than 0 may pass a model built on the meta device (no storage): host memory holds
         one full model per job instead of one per rank, and all ranks start from
         bitwise the weights a single process would have.
+
+        With ``shards`` (the weight files of ``model.path``), every rank passes a model
+        whose parameters are on the meta device and its buffers real, and fills its own
+        shards from the files: no rank holds the full model, nothing is broadcast.
         """
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if attn == FLASH:  # only now is run.device=auto resolved
+            check_attn_implementation(attn, self.device.type)
+        if shards is not None:
+            return self._apply_from_files(model, shards)
         on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         if on_meta and (self.meshes is None or self.ctx.is_main):
             raise DistributedError(
@@ -105,6 +121,23 @@ class ParallelPlan:
         )
         for buffer in model.buffers():  # non-persistent buffers (rotary tables) too
             dist.broadcast(buffer, src=0)
+        return model
+
+    def _apply_from_files(self, model: nn.Module, shards: SafetensorsShards) -> nn.Module:
+        buffers = {name: b.to(self.device) for name, b in model.named_buffers()}
+        if any(b.is_meta for b in buffers.values()):
+            raise DistributedError(
+                "loading shards from model.path needs the model's buffers materialised (build "
+                "it with build_model(..., on_meta=True, buffers=True))."
+            )
+        if self.meshes is not None:
+            self._shard(model)
+        model.to_empty(device=self.device)
+        shards.load_into(model)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name not in shards.files:  # computed at construction, not stored
+                    buffer.copy_(buffers[name])
         return model
 
     def _shard(self, model: nn.Module) -> None:

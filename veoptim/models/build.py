@@ -26,6 +26,9 @@ from transformers import (
 from veoptim.config.schema import ModelConfig
 from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError
+from veoptim.models.attention import check_attn_implementation
+from veoptim.models.checkpointing import enable_activation_checkpointing
+from veoptim.models.sharded_load import parameters_on_meta
 
 SUPPORTED_ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -54,6 +57,7 @@ def _hf_config(cfg: ModelConfig, vocab_size: int, special: dict[str, int]) -> Pr
         tie_word_embeddings=cfg.tie_word_embeddings,
         head_dim=cfg.hidden_size // cfg.num_attention_heads,
         attention_dropout=cfg.attention_dropout,
+        attn_implementation=cfg.attn_implementation,
         **special,
     )
     if cfg.arch != "qwen2":
@@ -126,6 +130,7 @@ def build_model(
     special_tokens: dict[str, int] | None = None,
     *,
     on_meta: bool = False,
+    buffers: bool = False,
 ) -> PreTrainedModel:
     """Build the model of ``cfg`` on CPU in ``cfg.dtype``, deterministically.
 
@@ -134,19 +139,48 @@ def build_model(
     builds the same structure without storage or weights (no file is read): the
     ranks of a distributed run other than rank 0 do, and the parallel plan fills
     their shards from rank 0's weights, so host memory holds one full model per job.
+    With ``buffers`` (``model.path`` only), ``on_meta`` keeps the buffers computed at
+    construction (rotary tables) on the CPU: every rank then loads its own shards
+    (``veoptim.models.sharded_load``) and no rank broadcasts.
+    Both sources get ``cfg.attn_implementation`` and, with ``cfg.activation_checkpointing``,
+    per decoder layer activation checkpointing (no parameter name changes).
     """
     dtype = resolve_dtype(cfg.dtype, "model.dtype")
+    check_attn_implementation(cfg.attn_implementation)
+    model = _build(cfg, dtype, vocab_size, special_tokens or {}, on_meta, buffers)
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    return model
+
+
+def _build(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    vocab_size: int,
+    special_tokens: dict[str, int],
+    on_meta: bool,
+    buffers: bool,
+) -> PreTrainedModel:
+    attn = cfg.attn_implementation
     if cfg.path:
         path = Path(cfg.path)
         _local_config(path)  # a clear ConfigError for a directory that is not a model
+        if on_meta and buffers:
+            with parameters_on_meta():
+                config = AutoConfig.from_pretrained(path)
+                return AutoModelForCausalLM.from_config(
+                    config, dtype=dtype, attn_implementation=attn
+                )
         if on_meta:
             with torch.device("meta"):
                 config = AutoConfig.from_pretrained(path)
                 # No .to(dtype): like from_pretrained on rank 0, keep the buffers' own dtype
                 # (rotary inv_freq stays FP32), or rank 0's buffer broadcast mismatches.
-                return AutoModelForCausalLM.from_config(config, dtype=dtype)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    hf_config = _hf_config(cfg, vocab_size, special_tokens or {})
+                return AutoModelForCausalLM.from_config(
+                    config, dtype=dtype, attn_implementation=attn
+                )
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    hf_config = _hf_config(cfg, vocab_size, special_tokens)
     _, model_cls = SUPPORTED_ARCHS[cfg.arch]
     if on_meta:
         with torch.device("meta"):
