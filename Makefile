@@ -41,6 +41,9 @@ bench: setup
 	$(PY) scripts/bench/optimizer_step.py
 	$(PY) scripts/bench/checkpoint_io.py
 	$(PY) scripts/bench/slot_io.py
+	$(PY) scripts/bench/moe_layer.py
+	$(PY) scripts/bench/activation_memory.py
+	OMP_NUM_THREADS=1 $(PY) scripts/bench/sharded_load.py
 
 clean:
 	rm -rf runs outputs multirun .pytest_cache

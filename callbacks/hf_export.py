@@ -1,7 +1,7 @@
 """Hugging Face exports during and at the end of a run, published atomically like checkpoints.
 
 ``export.every_steps=N`` publishes ``hf_step_<8 digits>`` every N steps before the last,
-and a run that reaches ``train.max_steps`` publishes ``hf_final`` (the last step is exported
+and a run that reaches its last step (``train.max_steps`` or ``train.epochs``) publishes ``hf_final`` (the last step is exported
 once, under that name), all in ``<run.dir>/exports`` with kind ``hf_export``.
 """
 
@@ -55,11 +55,11 @@ class HFExportCallback(Callback):
 
     def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None:
         step, every = trainer.progress.global_step, self.cfg.every_steps
-        if every and step % every == 0 and step < trainer.cfg.train.max_steps:
+        if every and step % every == 0 and step < trainer.max_steps:
             self.export(trainer, export_name(trainer, self.cfg, final=False))
 
     def on_train_end(self, trainer: Trainer) -> None:
-        if trainer.progress.global_step < trainer.cfg.train.max_steps:
+        if trainer.progress.global_step < trainer.max_steps:
             return  # a time slice (train.stop_at_step) or a stop: the run is not finished
         self.export(trainer, export_name(trainer, self.cfg, final=True))
 

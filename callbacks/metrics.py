@@ -1,6 +1,7 @@
 """Metrics sinks: ``<run.dir>/metrics.jsonl`` (always), wandb and TensorBoard (when enabled).
 
-All of them write on rank 0 only.
+All of them write on rank 0 only. A step after which the trainer evaluated carries the
+``eval_*`` values in its metrics and is always logged (whatever ``logging.log_every``).
 """
 
 from __future__ import annotations
@@ -8,12 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
+import string
 import time
 from pathlib import Path
 from typing import Any
 
 from veoptim.config.schema import LoggingConfig
 from veoptim.trainer import Callback, Metrics, Trainer
+from veoptim.trainer.evaluation import EVAL_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +25,45 @@ log = logging.getLogger(__name__)
 TENSORBOARD_DIR = "tensorboard"
 #: Keys every metrics.jsonl record carries (tests check the schema).
 METRIC_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen")
+#: The file in run.dir holding the wandb run id every slice of the run continues.
+WANDB_ID_FILE = "wandb_run_id"
 
 
 def _should_log(cfg: LoggingConfig, trainer: Trainer, metrics: Metrics) -> bool:
     step = metrics["step"]
-    return step % cfg.log_every == 0 or step == trainer.last_step
+    evaluated = any(name.startswith(EVAL_PREFIX) for name in metrics)
+    return step % cfg.log_every == 0 or step == trainer.last_step or evaluated
+
+
+def tensorboard_tag(name: str) -> str:
+    """``eval/<name>`` for an evaluation metric, ``train/<name>`` for the rest."""
+    if name.startswith(EVAL_PREFIX):
+        return f"eval/{name.removeprefix(EVAL_PREFIX)}"
+    return f"train/{name}"
+
+
+def new_wandb_run_id() -> str:
+    """A fresh run id in wandb's form: 8 lower-case letters and digits."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def wandb_run_id(trainer: Trainer) -> str:
+    """The run's wandb id: the one its checkpoint restored, else (a full resume from a
+    checkpoint saved without wandb) the one in ``<run.dir>/wandb_run_id``, else a new one
+    (a fresh start or a weights-only resume is a new run). Recorded in the run's state
+    (saved with every checkpoint) and in that file."""
+    path = trainer.run_dir / WANDB_ID_FILE
+    run_id = trainer.run_ids.wandb
+    full_resume = trainer.resumed_from is not None and trainer.cfg.checkpoint.load_optimizer
+    if not run_id and full_resume and path.is_file():
+        run_id = path.read_text().strip()
+    run_id = run_id or new_wandb_run_id()
+    trainer.run_ids.wandb = run_id
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
 
 
 def prepare_metrics_file(path: Path, resumed_step: int) -> None:
@@ -78,7 +116,9 @@ class MetricsFileCallback(Callback):
 
 
 class WandbCallback(Callback):
-    """Logs metrics and the resolved config to wandb (``logging.wandb.mode``)."""
+    """Logs metrics and the resolved config to wandb (``logging.wandb.mode``). Every slice of
+    a run (``train.stop_at_step``, then ``checkpoint.resume``) continues one wandb run: its id
+    is kept in the checkpoints and in ``<run.dir>/wandb_run_id`` (see :func:`wandb_run_id`)."""
 
     def __init__(self, cfg: LoggingConfig, config: dict[str, Any]) -> None:
         self.cfg = cfg
@@ -97,6 +137,8 @@ class WandbCallback(Callback):
             dir=str(trainer.run_dir),
             mode=self.cfg.wandb.mode,
             config=self.config,
+            id=wandb_run_id(trainer),
+            resume="allow",
         )
 
     def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None:
@@ -116,7 +158,8 @@ class WandbCallback(Callback):
 
 
 class TensorBoardCallback(Callback):
-    """Logs every metric as the scalar ``train/<name>`` at the global step.
+    """Logs every metric as the scalar ``train/<name>`` (evaluation: ``eval/<name>``) at the
+    global step.
 
     A resumed run adds a new event file to the same directory; TensorBoard merges them
     by step, so the curves continue where the checkpoint left off. Steps a crashed run
@@ -146,7 +189,7 @@ class TensorBoardCallback(Callback):
         step = metrics["step"]
         for name, value in metrics.items():
             if name != "step" and isinstance(value, (int, float)):
-                self.writer.add_scalar(f"train/{name}", value, step)
+                self.writer.add_scalar(tensorboard_tag(name), value, step)
 
     def on_train_end(self, trainer: Trainer) -> None:
         self._close()

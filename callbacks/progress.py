@@ -1,4 +1,4 @@
-"""Rank-0 progress bar: step, loss, lr, tokens/s and ETA."""
+"""Rank-0 progress bar: step, loss, lr, tokens/s and ETA; a line per evaluation."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ class ProgressCallback(Callback):
             refresh=False,
         )
         self.bar.update(1)
+
+    def on_eval_end(self, trainer: Trainer, metrics: Metrics) -> None:
+        if self.bar is None:
+            return
+        shown = "  ".join(f"{name} {value:.4g}" for name, value in metrics.items())
+        self.bar.write(f"step {trainer.progress.global_step}: {shown}")
 
     def on_train_end(self, trainer: Trainer) -> None:
         self._close()

@@ -6,10 +6,7 @@ never drifts from the code: run `make docs` after changing a field.
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-
-from veoptim.config.schema import TrainerConfig
+from veoptim.config.reference import config_keys, sections, task_sections
 from veoptim.lora.slots import MultiLoRAConfig
 from veoptim.objectives import DPOConfig, SFTConfig
 
@@ -26,51 +23,29 @@ Choose a config group file with `group=name` (e.g. `optim=master_fp32_adamw`,
 """
 
 
-def _type_name(tp: object) -> str:
-    text = getattr(tp, "__name__", None) or str(tp)
-    return str(tp) if "[" in str(tp) else text
-
-
-def _rows(cls: type, prefix: str) -> list[str]:
-    rows: list[str] = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(tp):
-            rows += _rows(tp, key + ".")
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
-            default = [dataclasses.asdict(d) for d in default]
-        help_text = f.metadata.get("help", "").replace("|", "\\|")
-        rows.append(f"| `{key}` | `{_type_name(tp)}` | `{default!r}` | {help_text} |")
-    return rows
+def _table(cls: type, prefix: str) -> list[str]:
+    """A Markdown table of every key of one section."""
+    out = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for k in config_keys(cls, prefix):
+        help_text = k.help.replace("|", "\\|")
+        out.append(f"| `{k.key}` | `{k.type}` | `{k.default!r}` | {help_text} |")
+    return out
 
 
 def _task_sections(task: str, intro: str, config: type) -> list[str]:
     """The sections of a task's config that differ from the shared ones."""
     out = [f"\n## `{task}`\n", intro]
-    shared = typing.get_type_hints(TrainerConfig)
-    hints = typing.get_type_hints(config)
-    for f in dataclasses.fields(config):
-        if shared.get(f.name) is hints[f.name]:
-            continue
-        out.append(f"\n### `{f.name}`\n")
-        out.append("| key | type | default | meaning |")
-        out.append("| --- | --- | --- | --- |")
-        out += _rows(hints[f.name], f"{f.name}.")
+    for name, cls in task_sections(config):
+        out.append(f"\n### `{name}`\n")
+        out += _table(cls, f"{name}.")
     return out
 
 
 def render() -> str:
     out = [HEADER]
-    hints = typing.get_type_hints(SFTConfig)
-    for f in dataclasses.fields(SFTConfig):
-        out.append(f"\n## `{f.name}`\n")
-        out.append("| key | type | default | meaning |")
-        out.append("| --- | --- | --- | --- |")
-        out += _rows(hints[f.name], f"{f.name}.")
+    for name, cls in sections(SFTConfig):
+        out.append(f"\n## `{name}`\n")
+        out += _table(cls, f"{name}.")
     out += _task_sections(
         "tasks.dpo",
         "Its config (`veoptim/objectives/dpo.py`) replaces `data` and adds `dpo`.",

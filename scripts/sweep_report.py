@@ -5,8 +5,9 @@
 
 Each PATH is a run dir (holds ``metrics.jsonl``) or a sweep dir (its job subdirs do).
 Runs are labelled by the config keys that differ between them. Prints a Markdown table
-(best final metric first) and writes ``sweep.md``, ``sweep.csv`` and ``<metric>.svg`` (``loss.svg``) into
-``--out`` (default: the first PATH). Stdlib + PyYAML only, so it runs anywhere.
+(best final metric first) and writes ``sweep.md``, ``sweep.csv`` and the curves as
+``<metric>.png`` (``loss.png``, with matplotlib: ``pip install 'veoptim[plots]'``; without
+it the table and CSV are still written) into ``--out`` (default: the first PATH).
 """
 
 from __future__ import annotations
@@ -19,16 +20,19 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from xml.sax.saxutils import escape
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 METRICS = "metrics.jsonl"
 # Keys that differ between any two runs by construction, so they never explain a difference.
 IGNORED_KEYS = {"run.dir"}
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-           "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]  # fmt: skip
+#: The PNG's size in pixels (width, height) and resolution.
+PNG_SIZE = (900, 500)
+DPI = 100
 
 
 class ReportError(Exception):
@@ -211,72 +215,40 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _ticks(low: float, high: float, least: float = 0.0) -> list[tuple[float, str]]:
-    """About 5 round ticks (1, 2, 5 x 10^k apart, at least ``least``) over [low, high], labelled."""
-    raw = max((high - low) / 5, least)
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-    first = math.ceil(low / step - 1e-9) * step
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
-    count = int((high - first) / step + 1e-9) + 1
-    return [(first + i * step, f"{first + i * step:.{decimals}f}") for i in range(count)]
+def loss_figure(runs: list[Run], metric: str = "loss", window: int = 1) -> Figure:
+    """A line chart of ``metric`` vs step, one line per run, of exactly ``PNG_SIZE`` pixels."""
+    from matplotlib.figure import Figure  # not pyplot: no global state, no GUI backend
+    from matplotlib.ticker import MaxNLocator
 
-
-def render_svg(runs: list[Run], metric: str = "loss", window: int = 1) -> str:
-    """A hand-written SVG line chart of ``metric`` vs step, one polyline per run."""
-    series = []
+    figure = Figure(figsize=(PNG_SIZE[0] / DPI, PNG_SIZE[1] / DPI), dpi=DPI, layout="constrained")
+    axes = figure.add_subplot()
     for run in runs:
         points = _finite([(step, rec[metric]) for step, rec in run.records.items()])
-        values = smooth([v for _, v in points], window)
-        series.append((run.label, [(s, v) for (s, _), v in zip(points, values, strict=True)]))
-    all_points = [p for _, pts in series for p in pts] or [(0, 0.0)]
-    x_lo, x_hi = min(p[0] for p in all_points), max(p[0] for p in all_points)
-    y_lo, y_hi = min(p[1] for p in all_points), max(p[1] for p in all_points)
-    x_hi = x_hi if x_hi > x_lo else x_lo + 1
-    pad = (y_hi - y_lo) * 0.05 or abs(y_hi) * 0.05 or 1.0
-    y_lo, y_hi = y_lo - pad, y_hi + pad
-    left, top, width, height = 70, 40, 560, 340
-    legend_w = 40 + 7 * max((len(label) for label, _ in series), default=0)
-    total_w = left + width + 20 + legend_w
-    total_h = max(top + height + 50, top + 18 * len(series) + 20)
-
-    def sx(x: float) -> float:
-        return left + (x - x_lo) / (x_hi - x_lo) * width
-
-    def sy(y: float) -> float:
-        return top + (y_hi - y) / (y_hi - y_lo) * height
-
+        steps = [step for step, _ in points]
+        axes.plot(steps, smooth([v for _, v in points], window), label=run.label, linewidth=1.5)
     title = f"{metric} vs step" + (f" (moving average over {window})" if window > 1 else "")
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" '
-        f'font-family="sans-serif" font-size="12">',
-        f'<rect width="{total_w}" height="{total_h}" fill="white"/>',
-        f'<text class="title" x="{left + width / 2}" y="22" text-anchor="middle" '
-        f'font-size="15">{escape(title)}</text>',
-    ]
-    for tick, text in _ticks(x_lo, x_hi, least=1.0):
-        x = sx(tick)
-        out.append(
-            f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + height}" stroke="#eee"/>'
+    axes.set(title=title, xlabel="step", ylabel=metric)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    return figure
+
+
+def write_png(runs: list[Run], path: Path, metric: str = "loss", window: int = 1) -> bool:
+    """Write the chart as PNG; False (with a one-sentence note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: works without a display
+    except ImportError:
+        print(
+            f"note: {path.name} not written because matplotlib is not installed "
+            "(pip install 'veoptim[plots]').",
+            file=sys.stderr,
         )
-        out.append(f'<text class="tick" x="{x:.1f}" y="{top + height + 16}" text-anchor="middle">{text}</text>')  # fmt: skip
-    for tick, text in _ticks(y_lo, y_hi):
-        y = sy(tick)
-        out.append(
-            f'<line x1="{left}" y1="{y:.1f}" x2="{left + width}" y2="{y:.1f}" stroke="#eee"/>'
-        )
-        out.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{text}</text>')  # fmt: skip
-    out.append(f'<rect x="{left}" y="{top}" width="{width}" height="{height}" fill="none" stroke="black"/>')  # fmt: skip
-    out.append(f'<text x="{left + width / 2}" y="{top + height + 38}" text-anchor="middle">step</text>')  # fmt: skip
-    out.append(f'<text x="16" y="{top + height / 2}" text-anchor="middle" transform="rotate(-90 16 {top + height / 2})">{escape(metric)}</text>')  # fmt: skip
-    for i, (label, pts) in enumerate(series):
-        color = PALETTE[i % len(PALETTE)]
-        coords = " ".join(f"{sx(s):.2f},{sy(v):.2f}" for s, v in pts)
-        out.append(f'<polyline class="run" points="{coords}" fill="none" stroke="{color}" stroke-width="1.8"><title>{escape(label)}</title></polyline>')  # fmt: skip
-        y = top + 10 + 18 * i
-        out.append(f'<line x1="{left + width + 20}" y1="{y}" x2="{left + width + 44}" y2="{y}" stroke="{color}" stroke-width="3"/>')  # fmt: skip
-        out.append(f'<text class="legend" x="{left + width + 50}" y="{y + 4}">{escape(label)}</text>')  # fmt: skip
-    return "\n".join([*out, "</svg>"]) + "\n"
+        return False
+    loss_figure(runs, metric, window).savefig(path, dpi=DPI)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,15 +274,14 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sweep.md").write_text(table)
         write_csv(rows, out / "sweep.csv")
-        (out / f"{args.metric}.svg").write_text(render_svg(runs, args.metric, args.smooth))
+        png = out / f"{args.metric}.png"
+        plotted = write_png(runs, png, args.metric, args.smooth)
     except (ReportError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(table, end="")
-    print(
-        f"wrote {out / 'sweep.md'}, {out / 'sweep.csv'} and {out / args.metric}.svg",
-        file=sys.stderr,
-    )
+    written = [out / "sweep.md", out / "sweep.csv", *([png] if plotted else [])]
+    print(f"wrote {', '.join(map(str, written))}", file=sys.stderr)
     return 0
 
 

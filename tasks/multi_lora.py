@@ -18,13 +18,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
-from tasks.compose import CONFIG_DIR
+from tasks.cli import task_command
 from tasks.runner import run_dir_of_job
-from veoptim.config import register_schema, to_config
+from veoptim.config import to_config
 from veoptim.data import bundled_dataset_path, collate
 from veoptim.data.records import Conversation, read_conversations
 from veoptim.data.sft import report_truncation, tokenize_conversations
@@ -37,7 +36,6 @@ NAME = "multi_lora"
 COMPARED = ("weights", "master_weight", "exp_avg", "exp_avg_sq", "step", "param_groups",
             "scheduler", "spec", "steps")  # fmt: skip
 log = logging.getLogger("veoptim")
-register_schema(NAME, MultiLoRAConfig)
 
 
 def split_tasks(cfg: MultiLoRAConfig) -> tuple[Path, list[list[Conversation]]]:
@@ -127,9 +125,9 @@ def train_rounds(t: SlotTrainer, cfg: MultiLoRAConfig, data: Sequence[list], ste
             results = t.train_step(mixed_batch(t, data, slots, cfg.train.micro_batch_size, gen))
             for s, result in results.items():
                 losses[s].append(result["loss"])
-        if step % cfg.logging.log_every == 0 or step == cfg.train.max_steps:
+        if step % cfg.logging.log_every == 0 or step == cfg.schedule_steps:
             per_slot = "  ".join(f"slot{s} {losses[s][step - 1]:.4f}" for s in losses)
-            log.info("step %d/%d  loss %s", step, cfg.train.max_steps, per_slot)
+            log.info("step %d/%d  loss %s", step, cfg.schedule_steps, per_slot)
 
 
 def run(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> bool:
@@ -138,7 +136,7 @@ def run(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> bool:
     cfg.run.dir = run_dir_of_job(cfg)
     config = to_config(cfg)
     assert isinstance(config, MultiLoRAConfig)
-    tasks, max_steps = list(config.data.tasks), config.train.max_steps
+    tasks, max_steps = list(config.data.tasks), config.schedule_steps
     if not tasks or config.lora.num_slots <= len(tasks):
         raise ConfigError(
             f"lora.num_slots ({config.lora.num_slots}) must exceed the number of data.tasks "
@@ -147,7 +145,7 @@ def run(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> bool:
     path, conversations = split_tasks(config)
     ctx = init_distributed(config.run.device, config.parallel.backend, env)
     try:
-        setup_logging(ctx, config.logging.level)
+        setup_logging(ctx, config.logging.level, config.logging.progress)
         t = SlotTrainer.from_config(config, ctx)
         data = []
         max_len = config.data.max_seq_len
@@ -179,8 +177,7 @@ def run(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> bool:
         ctx.close()
 
 
-@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=NAME)
-def main(cfg: DictConfig) -> None:
+def job(cfg: DictConfig) -> None:
     try:
         ok = run(cfg)
     except VeoptimError as error:
@@ -188,6 +185,9 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     if not ok:
         sys.exit(1)
+
+
+main = task_command(NAME, MultiLoRAConfig, job)
 
 
 if __name__ == "__main__":

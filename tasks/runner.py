@@ -11,13 +11,12 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks import standard_callbacks
-from tasks.compose import CONFIG_DIR
-from veoptim.config import TrainerConfig, register_schema, to_config
+from tasks.cli import task_command
+from veoptim.config import TrainerConfig, to_config
 from veoptim.distributed import init_distributed, setup_logging
 from veoptim.errors import VeoptimError
 from veoptim.trainer import Callback, Metrics, Trainer
@@ -40,7 +39,7 @@ def run_task(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, 
     resolved = OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
     ctx = init_distributed(config.run.device, config.parallel.backend, env)
     try:
-        setup_logging(ctx, config.logging.level)
+        setup_logging(ctx, config.logging.level, config.logging.progress)
         losses: list[float] = []
         summary = _LossRecorder(losses)
         trainer = Trainer.from_config(config, ctx, [*standard_callbacks(config, resolved), summary])
@@ -59,18 +58,16 @@ def run_task(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, 
 
 
 def task_main(name: str, schema: type[TrainerConfig]) -> Callable[[], None]:
-    """The ``python -m tasks.<name>`` entry point: ``veoptim/configs/<name>.yaml`` under Hydra."""
-    register_schema(name, schema)
+    """The ``python -m tasks.<name>`` / ``veoptim-<name>`` entry point (``tasks/cli.py``)."""
 
-    @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=name)
-    def main(cfg: DictConfig) -> float:
+    def job(cfg: DictConfig) -> float:
         try:
             return run_task(cfg)["final_loss"]
         except VeoptimError as error:
             logging.getLogger("veoptim").error("%s: %s", type(error).__name__, error)
             sys.exit(2)
 
-    return main
+    return task_command(name, schema, job)
 
 
 class _LossRecorder(Callback):

@@ -47,7 +47,7 @@ def test_wrong_type_fails_naming_the_key():
         ("train.stop_at_step=10000", "train.stop_at_step"),
         ("scheduler.name=step", "scheduler.name"),
         ("optim.betas=[0.9]", "optim.betas"),
-        ("train.max_steps=0", "train.max_steps"),
+        ("train.max_steps=-1", "train.max_steps"),
     ],
 )
 def test_semantic_errors_name_the_key(override, key):

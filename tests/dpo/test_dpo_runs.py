@@ -115,7 +115,7 @@ def test_the_reference_never_changes_and_is_never_saved(tmp_path, lora, extra):
     saved = ckpt_io.read_checkpoint(tmp_path / "checkpoints" / step_name(3))
     assert not any("reference" in key for key in saved.tensors)
     assert sorted(json.loads((saved.path / "checkpoint.json").read_text())["components"]) == [
-        "config", "lr_scheduler", "model", "optimizer", "progress", "rng", "sampler"
+        "config", "lr_scheduler", "model", "optimizer", "progress", "rng", "run_ids", "sampler"
     ]  # fmt: skip
 
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 import csv
 import json
 import os
+import struct
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 import yaml
 
-from scripts.sweep_report import label_runs, load_run, render_svg, smooth, table_rows
+from scripts.sweep_report import PNG_SIZE, label_runs, load_run, loss_figure, smooth, table_rows
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "sweep_report.py"
-SVG = "{http://www.w3.org/2000/svg}"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
@@ -25,6 +25,19 @@ def report(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=ENV
     )
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's header (signature, then the IHDR chunk), checking both."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == PNG_SIGNATURE and head[12:16] == b"IHDR", head
+    return struct.unpack(">II", head[16:24])
+
+
+def plotted(runs: list) -> dict[str, list[float]]:
+    """The chart's lines: label -> y values."""
+    (axes,) = loss_figure(runs).axes
+    return {line.get_label(): list(line.get_ydata()) for line in axes.get_lines()}
 
 
 def last_record(run_dir: Path) -> dict:
@@ -73,24 +86,49 @@ def test_table_labels_runs_by_their_differing_override(sweep, reported):
         assert float(row["final_lr"]) == last["lr"]
 
 
-def test_svg_has_one_polyline_per_run_and_a_legend(reported):
-    _, out = reported
-    root = ET.parse(out / "loss.svg").getroot()
-    polylines = root.findall(f"{SVG}polyline")
-    assert len(polylines) == 2
-    assert [len(p.get("points").split()) for p in polylines] == [6, 6]
-    legend = {t.text for t in root.iter(f"{SVG}text") if t.get("class") == "legend"}
-    assert legend == {"optim.lr=0.001", "optim.lr=0.003"}
-    assert any(t.get("class") == "title" for t in root.iter(f"{SVG}text"))
-    assert sum(t.get("class") == "tick" for t in root.iter(f"{SVG}text")) >= 4
+def test_png_is_written_with_the_expected_size(reported):
+    proc, out = reported
+    assert png_size(out / "loss.png") == PNG_SIZE
+    assert f"{out / 'loss.png'}" in proc.stderr
+
+
+def test_chart_has_one_line_per_run_labelled_by_its_override(sweep):
+    runs = [load_run(sweep / job, name=job) for job in ("0", "1")]
+    label_runs(runs)
+    lines = plotted(runs)
+    assert sorted(lines) == ["optim.lr=0.001", "optim.lr=0.003"]
+    for run in runs:
+        assert lines[run.label] == [rec["loss"] for rec in run.records.values()]
+    (axes,) = loss_figure(runs, window=3).axes
+    assert axes.get_title() == "loss vs step (moving average over 3)"
+    assert axes.get_legend() is not None
 
 
 def test_run_dirs_and_smoothing(sweep, tmp_path):
     proc = report(sweep / "0", sweep / "1", "--out", tmp_path, "--smooth", "3")
     assert proc.returncode == 0, proc.stderr
     assert "optim.lr=0.001" in proc.stdout and "optim.lr=0.003" in proc.stdout
-    root = ET.parse(tmp_path / "loss.svg").getroot()
-    assert [len(p.get("points").split()) for p in root.iter(f"{SVG}polyline")] == [6, 6]
+    assert png_size(tmp_path / "loss.png") == PNG_SIZE
+
+
+def test_without_matplotlib_the_table_and_csv_are_still_written(sweep, reported, tmp_path):
+    """matplotlib is an extra: its absence costs the PNG, with one sentence saying how to add it."""
+    code = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "  # None: import raises ImportError
+        f"sys.argv = ['sweep_report.py', {str(sweep)!r}, '--out', {str(tmp_path)!r}]; "
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: loss.png not written because matplotlib is not installed "
+        "(pip install 'veoptim[plots]')."
+    ]
+    _, out = reported
+    assert proc.stdout == (out / "sweep.md").read_text() == (tmp_path / "sweep.md").read_text()
+    assert (tmp_path / "sweep.csv").read_text() == (out / "sweep.csv").read_text()
+    assert not (tmp_path / "loss.png").exists()
 
 
 def test_errors_are_one_sentence_with_exit_code_2(tmp_path):
@@ -135,8 +173,7 @@ def test_resumed_run_later_record_wins(tmp_path):
         3.0,
     )
     assert (row["min_loss"], row["min_step"]) == (3.0, 4)
-    points = ET.fromstring(render_svg([run])).find(f"{SVG}polyline").get("points").split()
-    assert len(points) == 4
+    assert plotted([run]) == {tmp_path.name: [5.0, 4.5, 3.5, 3.0]}
 
 
 def test_smooth_is_a_trailing_moving_average():

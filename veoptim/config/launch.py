@@ -8,7 +8,6 @@ which does not tell a new user that the fix is to launch it with torchrun.
 from __future__ import annotations
 
 import shlex
-import sys
 
 from hydra.core.hydra_config import HydraConfig
 
@@ -26,22 +25,18 @@ def min_world_size(parallel: ParallelConfig) -> int:
     return replicate * max(parallel.dp_shard, 1)
 
 
-def _main_module() -> str | None:
-    """``tasks.sft`` when this process runs ``python -m tasks.sft`` (else None)."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return spec.name if spec is not None and spec.name != "__main__" else None
-
-
 def launch_command(nproc: int) -> str:
-    """``torchrun ... -m tasks.<task> <this run's overrides>`` (from Hydra when it runs)."""
+    """``torchrun ... -m tasks.<task> <this run's overrides>`` (from Hydra when it runs).
+
+    The task is Hydra's job name (``tasks/cli.py`` names each job after its task), so the
+    hint is the same whether this process is ``python -m tasks.sft`` or the installed
+    ``veoptim-sft``: ``-m tasks.sft`` works in a checkout and in an installed package.
+    """
     task, overrides = "tasks.<task>", "<your overrides>"
-    if HydraConfig.initialized():  # python -m tasks.<task> (not a programmatic compose)
+    if HydraConfig.initialized():  # a task command (not a programmatic compose)
         hydra = HydraConfig.get()
-        module = _main_module() or f"tasks.{hydra.job.config_name}"
-        task = (
-            module  # python -m tasks.<task> runs veoptim/configs/<task>.yaml unless told otherwise
-        )
-        if hydra.job.config_name != module.rpartition(".")[2]:  # e.g. a recipe
+        task = f"tasks.{hydra.job.name}"  # runs veoptim/configs/<task>.yaml unless told otherwise
+        if hydra.job.config_name != hydra.job.name:  # e.g. a recipe
             task += f" --config-name {shlex.quote(hydra.job.config_name)}"
         overrides = " ".join(shlex.quote(o) for o in hydra.overrides.task)
     return f"torchrun --standalone --nproc_per_node {nproc} -m {task} {overrides}".rstrip()

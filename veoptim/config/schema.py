@@ -8,6 +8,7 @@ unknown keys and wrong types fail at startup.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,18 @@ class ModelConfig:
         0.0,
         "Attention dropout probability of a model built from config (model.path keeps its own).",
     )
+    attn_implementation: str = opt(
+        "sdpa",
+        "Attention kernel, for a model built from config and for model.path alike: sdpa "
+        "(torch's scaled_dot_product_attention) | eager | flash_attention_2 (CUDA with the "
+        "flash_attn package only).",
+    )
+    activation_checkpointing: bool = opt(
+        False,
+        "Recompute each decoder layer's activations in the backward instead of keeping them: "
+        "less activation memory for longer sequences, about one more forward of compute; "
+        "gradients and state-dict keys are unchanged.",
+    )
 
 
 @dataclass
@@ -80,16 +93,51 @@ class DataConfig:
         "Sequences are truncated (or packed) to this many tokens (<= the model's "
         "max_position_embeddings); the truncated share is logged at startup.",
     )
+    eval_path: str = opt(
+        "",
+        "Evaluation file, read exactly like data.train_path (empty = none; not with "
+        "data.eval_fraction).",
+    )
+    eval_fraction: float = opt(
+        0.0,
+        "Share of the training examples held out for evaluation and never trained on, in "
+        "[0, 1): a fixed split that depends only on the number of examples, not on "
+        "train.seed (0 = none; not with data.eval_path).",
+    )
+
+
+#: Optimizer steps of a run that sets neither train.max_steps nor train.epochs.
+DEFAULT_MAX_STEPS = 1000
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = opt(1000, "Optimizer steps of the whole run (the LR schedule targets this).")
+    max_steps: int = opt(
+        0,
+        "Optimizer steps of the whole run (the LR schedule targets this); 0 = set by "
+        f"train.epochs, or {DEFAULT_MAX_STEPS} when train.epochs is 0 too.",
+    )
+    epochs: int = opt(
+        0,
+        "Passes over the training data instead of train.max_steps (0 = unset; setting both "
+        "is an error): steps = epochs * (training examples // global_batch_size).",
+    )
+    eval_every: int = opt(
+        0,
+        "Evaluate every N optimizer steps (0 = only at the end of training; evaluation "
+        "needs data.eval_path or data.eval_fraction and always runs at the end).",
+    )
     stop_at_step: int = opt(0, "Save and exit cleanly at this global step (0 = run to max_steps).")
     global_batch_size: int = opt(16, "Sequences per optimizer step, summed over all ranks.")
     micro_batch_size: int = opt(4, "Sequences per forward/backward on one rank.")
     grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).")
     seed: int = opt(0, "Seed of data order and RNG states.")
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """Optimizer steps of the whole run, once the training data's size is known."""
+        if self.epochs:
+            return self.epochs * steps_per_epoch
+        return self.max_steps or DEFAULT_MAX_STEPS
 
 
 @dataclass
@@ -129,6 +177,11 @@ class SchedulerConfig:
     name: str = opt("cosine", "constant | linear | cosine | wsd (warmup-stable-decay).")
     warmup_steps: int = opt(
         10, "Linear warmup steps up to the peak LR (>= max_steps: the whole run warms up)."
+    )
+    warmup_ratio: float = opt(
+        0.0,
+        "Warmup as a fraction of the run's steps, in [0, 1), instead of warmup_steps "
+        "(0 = use warmup_steps; with a ratio, set scheduler.warmup_steps=0).",
     )
     min_lr_ratio: float = opt(0.1, "Final LR as a fraction of the peak (linear, cosine, wsd).")
     decay_ratio: float = opt(0.2, "wsd: fraction of max_steps spent in the final decay.")
@@ -181,6 +234,11 @@ class CheckpointConfig:
     fsync: bool = opt(True, "fsync files and directories before publishing.")
     write_threads: int = opt(
         2, "DCP writer threads per rank (each writes its own shard file of the version)."
+    )
+    format: str = opt(
+        "raw",
+        "Byte layout of the DCP shards: raw (tensor bytes + index, fastest) | dcp (torch_save "
+        "records, readable by torch's DCP tools). Both load either way.",
     )
     async_save: bool = opt(False, "Save with dcp.async_save on a dedicated process group.")
     resume: str = opt("", "'' = fresh run; auto = newest complete checkpoint; or a name/path.")
@@ -266,3 +324,16 @@ class TrainerConfig:
             f"{type(self).__name__} is the shared base config and defines no objective; "
             "run a task (e.g. python -m tasks.sft)."
         )
+
+    def build_eval_objective(self, tokenizer: Any) -> Any:
+        """The task's objective over ``data.eval_path``: ``build_objective`` with
+        ``data.train_path`` swapped for it, so the eval file is read exactly like the
+        training file. Evaluation uses only its examples (``micro_batch``); the loss is the
+        training objective's, with whatever it set up (DPO's reference)."""
+        if not hasattr(self.data, "train_path"):
+            raise ConfigError(
+                f"data.eval_path is set, but {type(self.data).__name__} has no data.train_path "
+                "to read it like; use data.eval_fraction for this task."
+            )
+        data = dataclasses.replace(self.data, train_path=self.data.eval_path)
+        return dataclasses.replace(self, data=data).build_objective(tokenizer)

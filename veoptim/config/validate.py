@@ -13,6 +13,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "run.device": ("auto", "cpu", "cuda", "npu"),
     "model.dtype": tuple(DTYPES),
     "model.arch": ("qwen2", "qwen2_moe", "qwen3_moe"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "scheduler.name": ("constant", "linear", "cosine", "wsd"),
     "parallel.param_dtype": tuple(DTYPES),
     "parallel.reduce_dtype": tuple(DTYPES),
@@ -29,7 +30,6 @@ TRAINING_CHECKPOINT_FILE = "checkpoint.json"
 PATH_PRESETS: tuple[str, ...] = ("hf_local",)
 
 POSITIVE: tuple[str, ...] = (
-    "train.max_steps",
     "train.global_batch_size",
     "train.micro_batch_size",
     "data.max_seq_len",
@@ -39,6 +39,9 @@ POSITIVE: tuple[str, ...] = (
 )
 
 NON_NEGATIVE: tuple[str, ...] = (
+    "train.max_steps",
+    "train.epochs",
+    "train.eval_every",
     "train.stop_at_step",
     "train.grad_clip",
     "checkpoint.save_steps",
@@ -73,9 +76,11 @@ def validate_config(cfg: TrainerConfig) -> None:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}.")
     train = cfg.train
-    if train.stop_at_step > train.max_steps:
+    _validate_length_and_eval(cfg)
+    if not train.epochs and train.stop_at_step > train.total_steps(0):
         raise ConfigError(
-            f"train.stop_at_step ({train.stop_at_step}) must be <= train.max_steps ({train.max_steps})."
+            f"train.stop_at_step ({train.stop_at_step}) must be <= train.max_steps "
+            f"({train.total_steps(0)})."
         )
     if train.global_batch_size % train.micro_batch_size:
         raise ConfigError(
@@ -89,11 +94,44 @@ def validate_config(cfg: TrainerConfig) -> None:
             f"model.attention_dropout must be in [0, 1), got {cfg.model.attention_dropout}."
         )
     _validate_model(cfg)
+    _validate_flash_attention(cfg)
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Checked here, on every rank, so no rank fails alone after the others started.
         raise ConfigError(
             "logging.tensorboard=true needs the tensorboard package, which is not installed; "
             "install it with pip install -e '.[tensorboard]' or set logging.tensorboard=false."
+        )
+
+
+def _validate_length_and_eval(cfg: TrainerConfig) -> None:
+    """One way to set the run length and the warmup, and evaluation only with eval data."""
+    train, data, scheduler = cfg.train, cfg.data, cfg.scheduler
+    if train.max_steps and train.epochs:
+        raise ConfigError(
+            f"train.max_steps ({train.max_steps}) and train.epochs ({train.epochs}) both set "
+            "the run length; set only one (train.max_steps=0 to train by epochs)."
+        )
+    if not 0.0 <= scheduler.warmup_ratio < 1.0:
+        raise ConfigError(
+            f"scheduler.warmup_ratio must be in [0, 1), got {scheduler.warmup_ratio}."
+        )
+    if scheduler.warmup_ratio and scheduler.warmup_steps:
+        raise ConfigError(
+            f"scheduler.warmup_ratio ({scheduler.warmup_ratio}) and scheduler.warmup_steps "
+            f"({scheduler.warmup_steps}) both set the warmup; set only one "
+            "(scheduler.warmup_steps=0 to use the ratio)."
+        )
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}.")
+    if data.eval_fraction and data.eval_path:
+        raise ConfigError(
+            f"data.eval_path ({data.eval_path}) and data.eval_fraction ({data.eval_fraction}) "
+            "both choose the evaluation data; set only one."
+        )
+    if train.eval_every and not (data.eval_path or data.eval_fraction):
+        raise ConfigError(
+            f"train.eval_every={train.eval_every} needs evaluation data, but data.eval_path "
+            "and data.eval_fraction are unset; set one of them or train.eval_every=0."
         )
 
 
@@ -119,4 +157,21 @@ def _validate_model(cfg: TrainerConfig) -> None:
             f"model.max_position_embeddings ({model.max_position_embeddings}), the longest "
             "position the model supports; lower data.max_seq_len or raise "
             "model.max_position_embeddings."
+        )
+
+
+def _validate_flash_attention(cfg: TrainerConfig) -> None:
+    """flash_attention_2 needs the flash_attn package and CUDA (``run.device=auto`` is
+    checked again once resolved, by the parallel plan)."""
+    if cfg.model.attn_implementation != "flash_attention_2":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            "model.attn_implementation=flash_attention_2 needs the flash_attn package, which is "
+            "not installed; install flash-attn or use model.attn_implementation=sdpa."
+        )
+    if cfg.run.device in ("cpu", "npu"):
+        raise ConfigError(
+            "model.attn_implementation=flash_attention_2 runs only on CUDA, but run.device="
+            f"{cfg.run.device}; use model.attn_implementation=sdpa."
         )

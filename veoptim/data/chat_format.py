@@ -10,6 +10,12 @@ A rendered conversation looks like::
 
 The assistant's content and the ``<|end|>`` after it are the trained tokens;
 ``<|end|>`` is also the EOS token, so generation stops at the end of a turn.
+
+A ``tool`` message (a tool's output answering the assistant's call) renders as a user
+turn that wraps the output in ``<tool_response>`` tags, as Qwen's templates do, so it
+needs no special token of its own (the tokenizer and its ids are unchanged)::
+
+    <|user|><tool_response>{"sum": 5}</tool_response><|end|>
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, SYSTEM_TOKEN, USER_TOKEN, ASSISTAN
 ROLE_SYSTEM = "system"
 ROLE_USER = "user"
 ROLE_ASSISTANT = "assistant"
-ROLES: tuple[str, ...] = (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT)
+ROLE_TOOL = "tool"
+ROLES: tuple[str, ...] = (ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL)
 
 # `{% generation %}` marks the trained span, so transformers'
 # `apply_chat_template(..., return_assistant_tokens_mask=True)` agrees with our labels.
@@ -39,6 +46,8 @@ CHAT_TEMPLATE = (
     "<|user|>{{ message['content'] }}<|end|>"
     "{%- elif message['role'] == 'system' -%}"
     "<|system|>{{ message['content'] }}<|end|>"
+    "{%- elif message['role'] == 'tool' -%}"
+    "<|user|><tool_response>{{ message['content'] }}</tool_response><|end|>"
     "{%- else -%}"
     "{{ raise_exception('unknown chat role: ' + message['role']) }}"
     "{%- endif -%}"

@@ -11,6 +11,10 @@ Accepted record shapes (per line; other keys are ignored, blank lines skipped):
 
 Each side is tokenized like an SFT example of ``context + [response]`` with only the
 response (and its end-of-turn token) labelled, so both share the context tokens.
+
+A path that is not a ``.jsonl`` file (``.parquet``, ``.arrow``, ``.json``, ``.csv``, a
+``save_to_disk`` directory, a dataset in the local HF cache) is read with ``datasets``
+(split ``train``); each row is validated as a JSONL record would be, errors name the row.
 """
 
 from __future__ import annotations
@@ -89,20 +93,36 @@ def _response(value: Any, key: str, where: str) -> Message:
     )
 
 
+def _pair(record: Any, line: int, where: str) -> PreferencePair:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, found {type(record).__name__}.")
+    missing = [key for key in SIDES if key not in record]
+    if missing:
+        raise DataError(f"{where}: expected 'chosen' and 'rejected', {missing} missing.")
+    context = _context(record, where)
+    chosen, rejected = (_response(record[key], key, where) for key in SIDES)
+    return PreferencePair(context, chosen, rejected, line)
+
+
 def read_pairs(path: Path) -> list[PreferencePair]:
     """Parse and validate every line of ``path``; the first bad line raises ``DataError``."""
-    pairs: list[PreferencePair] = []
-    for record, line_no, where in jsonl_records(path, "preference data file"):
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: expected a JSON object, found {type(record).__name__}.")
-        missing = [key for key in SIDES if key not in record]
-        if missing:
-            raise DataError(f"{where}: expected 'chosen' and 'rejected', {missing} missing.")
-        context = _context(record, where)
-        chosen, rejected = (_response(record[key], key, where) for key in SIDES)
-        pairs.append(PreferencePair(context, chosen, rejected, line_no))
+    pairs = [
+        _pair(record, line_no, where)
+        for record, line_no, where in jsonl_records(path, "preference data file")
+    ]
     if not pairs:
         raise DataError(f"preference data file {path} has no pairs (one JSON object per line).")
+    return pairs
+
+
+def read_pair_rows(path: str) -> list[PreferencePair]:
+    """Validate every row of the data ``datasets`` reads at ``path`` (``line`` = row index)."""
+    from veoptim.data.hf_datasets import open_dataset  # datasets loads only if used
+
+    rows = open_dataset(path, what="preference data")
+    pairs = [_pair(row, i, f"{path} row {i}") for i, row in enumerate(rows)]
+    if not pairs:
+        raise DataError(f"preference data {path} has no pairs.")
     return pairs
 
 
@@ -146,7 +166,8 @@ def load_pair_dataset(
     if max_seq_len < 2:
         raise DataError(f"data.max_seq_len must be >= 2, got {max_seq_len}.")
     file = Path(path) if path else bundled_pairs_path()
-    pairs = read_pairs(file)
+    from_jsonl = file.suffix == ".jsonl"
+    pairs = read_pairs(file) if from_jsonl else read_pair_rows(path)
     sides: dict[str, list[Example]] = {}
     truncations = []
     for side in SIDES:
@@ -171,8 +192,9 @@ def load_pair_dataset(
     if dropped:
         log.warning(
             "%d of %d pairs of %s lose a whole response to data.max_seq_len=%d and are skipped "
-            "(lines %s%s).",
-            len(dropped), len(pairs), file, max_seq_len, dropped[:5], "..." if len(dropped) > 5 else "",
+            "(%s %s%s).",
+            len(dropped), len(pairs), file, max_seq_len, "lines" if from_jsonl else "rows",
+            dropped[:5], "..." if len(dropped) > 5 else "",
         )  # fmt: skip
     return PairDataset(file, max_seq_len, items)
 

@@ -3,8 +3,9 @@
 Two record shapes are accepted (per line, so a file may mix them):
 
 - chat: ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}``
-  with roles ``system`` (first message only), ``user`` and ``assistant``; at
-  least one assistant message, and the conversation ends with one.
+  with roles ``system`` (first message only), ``user``, ``assistant`` and ``tool`` (a
+  tool's output: it follows an assistant or another tool message); at least one
+  assistant message, and the conversation ends with one.
 - pair: ``{"prompt": "...", "response": "..."}``, read as a one-turn chat.
 
 Other keys on a line are ignored. Blank lines are skipped.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from veoptim.data.chat_format import ROLE_ASSISTANT, ROLE_SYSTEM, ROLE_USER, ROLES
+from veoptim.data.chat_format import ROLE_ASSISTANT, ROLE_SYSTEM, ROLE_TOOL, ROLE_USER, ROLES
 from veoptim.errors import DataError
 
 KEY_MESSAGES = "messages"
@@ -86,6 +87,12 @@ def validate_messages(messages: Any, where: str, last_role: str = ROLE_ASSISTANT
             )
         if role == ROLE_SYSTEM and i != 0:
             raise DataError(f"{at}: a 'system' message is only allowed first.")
+        if role == ROLE_TOOL and (not out or out[-1][KEY_ROLE] not in (ROLE_ASSISTANT, ROLE_TOOL)):
+            found = f"after a {out[-1][KEY_ROLE]!r} message" if out else "first"
+            raise DataError(
+                f"{at}: expected a 'tool' message (a tool's output) to follow an 'assistant' "
+                f"or 'tool' message, found it {found}."
+            )
         out.append({KEY_ROLE: role, KEY_CONTENT: content})
     if out[-1][KEY_ROLE] != last_role:
         what = "the trained response" if last_role == ROLE_ASSISTANT else "the context"

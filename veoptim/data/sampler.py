@@ -15,9 +15,14 @@ Semantics (the same on 1 or N data-parallel ranks):
 - The position (epoch, step in epoch) is the whole state; it does not depend
   on ``dp_size`` or ``micro_batch_size``, so a run may resume on another number
   of ranks and continue with the same global batches.
+- With ``indices`` (the training examples left by an evaluation hold-out), the
+  permutation orders positions in ``indices`` and yields the examples at them:
+  nothing outside ``indices`` is ever drawn.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -80,7 +85,12 @@ class GlobalBatchSampler:
         dp_size: int,
         seed: int,
         data_fingerprint: str = "",
+        indices: Sequence[int] | None = None,
     ) -> None:
+        if indices is not None and len(indices) != num_examples:
+            raise ConfigError(
+                f"the sampler got {len(indices)} example indices for num_examples={num_examples}."
+            )
         _check_sizes(num_examples, global_batch_size, micro_batch_size, dp_rank, dp_size, seed)
         self.num_examples = num_examples
         self.global_batch_size = global_batch_size
@@ -90,6 +100,8 @@ class GlobalBatchSampler:
         self.seed = seed
         #: Identifies the examples the indices refer to ('' = unknown, not checked on load).
         self.data_fingerprint = data_fingerprint
+        #: The example ids drawn from (None: ``range(num_examples)``).
+        self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)
         self._epoch = 0
         self._step_in_epoch = 0
         self._perm_epoch = -1
@@ -116,9 +128,11 @@ class GlobalBatchSampler:
         return self.global_batch_size // (self.dp_size * self.micro_batch_size)
 
     def permutation(self, epoch: int) -> np.ndarray:
-        """The visiting order of ``epoch`` (a pure function of ``seed`` and ``epoch``)."""
+        """The visiting order of ``epoch`` (a pure function of ``seed``, ``epoch`` and
+        ``indices``): example ids."""
         if self._perm_epoch != epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+            self._perm = perm if self.indices is None else self.indices[perm]
             self._perm_epoch = epoch
         assert self._perm is not None
         return self._perm

@@ -7,32 +7,45 @@ the render of ``messages[:j+1]``: the response and the template's end-of-turn
 tokens after it (``<|end|>`` for the bundled tokenizer, which is its EOS). A
 token is labelled when its first character lies in a trained span, so every
 assistant turn of a multi-turn chat is trained and everything else is -100.
+A ``tool`` message (a tool's output) is masked unless ``train_tool_turns``: then its
+whole turn, from the end of the render of ``messages[:j]`` to the end of that of
+``messages[:j+1]``, is trained as well.
 This works for any chat template whose renders of growing prefixes are prefixes
 of each other; one that is not (e.g. it rewrites earlier turns) is rejected.
+
+Both readers (JSONL here, ``datasets`` in ``hf_datasets.py``) tokenize with
+:func:`encode_conversations`, so an example is the same tokens whichever read it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from veoptim.data.chat_format import ROLE_ASSISTANT
+from veoptim.data.chat_format import ROLE_ASSISTANT, ROLE_TOOL
 from veoptim.data.fields import IGNORE_INDEX, INPUT_IDS, LABELS
 from veoptim.data.packing import Example, pack_examples
 from veoptim.data.paths import bundled_dataset_path
 from veoptim.data.records import Conversation, Message, read_conversations
+from veoptim.data.sources import ReadOptions, TokenCache
 from veoptim.errors import DataError
 
 log = logging.getLogger(__name__)
 
 #: Above this share of truncated examples the startup report is a warning.
 TRUNCATION_WARN_SHARE = 0.05
+#: Per-example columns of :func:`encode_conversations` beside the tokens: the length
+#: before truncation and the first trained position (-1: none), for the truncation report.
+NUM_TOKENS = "num_tokens"
+FIRST_TRAINED = "first_trained"
 
 
 @dataclass(frozen=True)
@@ -59,20 +72,24 @@ def _render(
 
 def trained_spans(
     tokenizer: PreTrainedTokenizerBase,
-    conversation: Conversation,
+    messages: list[Message],
     where: str,
     last_turn_only: bool = False,
+    train_tool_turns: bool = False,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the ``[start, end)`` character spans of its assistant turns
-    (only the final one with ``last_turn_only``: a preference pair's response)."""
-    messages = conversation.messages
+    (only the final one with ``last_turn_only``: a preference pair's response), and of its
+    whole tool turns with ``train_tool_turns``."""
     try:
         text = _render(tokenizer, messages, generation_prompt=False)
         spans = []
         for j, message in enumerate(messages):
-            if message["role"] != ROLE_ASSISTANT or (last_turn_only and j < len(messages) - 1):
+            if message["role"] == ROLE_ASSISTANT and not (last_turn_only and j < len(messages) - 1):
+                before = _render(tokenizer, messages[:j], generation_prompt=True)
+            elif message["role"] == ROLE_TOOL and train_tool_turns and not last_turn_only:
+                before = _render(tokenizer, messages[:j], generation_prompt=False)
+            else:
                 continue
-            before = _render(tokenizer, messages[:j], generation_prompt=True)
             through = _render(tokenizer, messages[: j + 1], generation_prompt=False)
             if not (text.startswith(through) and through.startswith(before)):
                 raise DataError(
@@ -104,44 +121,94 @@ def _label(
     return labels
 
 
+def encode_conversations(
+    conversations: Sequence[list[Message]],
+    wheres: Sequence[str],
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    last_turn_only: bool = False,
+    train_tool_turns: bool = False,
+) -> dict[str, list]:
+    """The one tokenization of SFT data (JSONL and ``datasets`` alike), as columns:
+    ``input_ids`` and ``labels`` truncated to ``max_seq_len``, ``num_tokens`` before
+    truncation and ``first_trained`` (the first labelled position >= 1, -1 if none), from
+    which :func:`summarize_truncation` reports what truncation cut.
+
+    ``wheres[i]`` names conversation ``i`` in errors.
+    """
+    rendered = [
+        trained_spans(tokenizer, messages, where, last_turn_only, train_tool_turns)
+        for messages, where in zip(conversations, wheres, strict=True)
+    ]
+    encoded = tokenizer(
+        [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
+    )
+    columns: dict[str, list] = {INPUT_IDS: [], LABELS: [], NUM_TOKENS: [], FIRST_TRAINED: []}
+    for (_, spans), ids, offsets in zip(
+        rendered, encoded[INPUT_IDS], encoded["offset_mapping"], strict=True
+    ):
+        labels = _label(ids, offsets, spans)
+        first = next((k for k in range(1, len(labels)) if labels[k] != IGNORE_INDEX), -1)
+        columns[INPUT_IDS].append(ids[:max_seq_len])
+        columns[LABELS].append(labels[:max_seq_len])
+        columns[NUM_TOKENS].append(len(ids))
+        columns[FIRST_TRAINED].append(first)
+    return columns
+
+
+def summarize_truncation(
+    num_tokens: Sequence[int] | np.ndarray,
+    first_trained: Sequence[int] | np.ndarray,
+    max_seq_len: int,
+) -> Truncation:
+    """What ``max_seq_len`` cut, from :func:`encode_conversations`' length columns."""
+    lengths, firsts = np.asarray(num_tokens, np.int64), np.asarray(first_trained, np.int64)
+    kept = firsts[firsts >= 0]
+    return Truncation(
+        num_truncated=int((lengths > max_seq_len).sum()),
+        num_without_response=int(((firsts < 0) | (firsts >= max_seq_len)).sum()),
+        longest=int(lengths.max(initial=0)),
+        min_len_with_response=int(kept.min()) + 1 if kept.size else 0,
+    )
+
+
+def to_examples(
+    input_ids: Iterable[Sequence[int]], labels: Iterable[Sequence[int]]
+) -> list[Example]:
+    """1-D long tensors per example, the form packing, collation and the fingerprint take."""
+    return [
+        {
+            INPUT_IDS: torch.as_tensor(ids, dtype=torch.long),
+            LABELS: torch.as_tensor(labs, dtype=torch.long),
+        }
+        for ids, labs in zip(input_ids, labels, strict=True)
+    ]
+
+
 def tokenize_conversations(
     conversations: list[Conversation],
     tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
     path: Path,
     last_turn_only: bool = False,
+    train_tool_turns: bool = False,
 ) -> tuple[list[Example], Truncation]:
     """``input_ids`` and ``labels`` (-100 outside assistant turns, or outside the final one
-    with ``last_turn_only``), truncated to ``max_seq_len``.
+    with ``last_turn_only``), truncated to ``max_seq_len``, of conversations read from the
+    JSONL file ``path``.
 
     Returns the examples and what truncation cut off.
     """
-    rendered = [
-        trained_spans(tokenizer, c, f"{path}:{c.line}", last_turn_only) for c in conversations
-    ]
-    encoded = tokenizer(
-        [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
+    columns = encode_conversations(
+        [c.messages for c in conversations],
+        [f"{path}:{c.line}" for c in conversations],
+        tokenizer,
+        max_seq_len,
+        last_turn_only,
+        train_tool_turns,
     )
-    examples = []
-    num_truncated = without_response = longest = 0
-    needed = None  # the fewest tokens that keep a trained token (positions >= 1 carry loss)
-    for (_, spans), ids, offsets in zip(
-        rendered, encoded[INPUT_IDS], encoded["offset_mapping"], strict=True
-    ):
-        labels = _label(ids, offsets, spans)
-        num_truncated += len(ids) > max_seq_len
-        longest = max(longest, len(ids))
-        first = next((k for k in range(1, len(labels)) if labels[k] != IGNORE_INDEX), None)
-        without_response += first is None or first >= max_seq_len
-        if first is not None:
-            needed = first + 1 if needed is None else min(needed, first + 1)
-        examples.append(
-            {
-                INPUT_IDS: torch.tensor(ids[:max_seq_len], dtype=torch.long),
-                LABELS: torch.tensor(labels[:max_seq_len], dtype=torch.long),
-            }
-        )
-    return examples, Truncation(num_truncated, without_response, longest, needed or 0)
+    truncation = summarize_truncation(columns[NUM_TOKENS], columns[FIRST_TRAINED], max_seq_len)
+    return to_examples(columns[INPUT_IDS], columns[LABELS]), truncation
 
 
 def report_truncation(
@@ -191,6 +258,8 @@ class SFTDataset:
     num_examples: int
     num_truncated: int
     truncation: Truncation = Truncation()
+    #: The tokenized cache of data read with ``datasets`` (None: read by the JSONL reader).
+    token_cache: TokenCache | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -215,9 +284,16 @@ class SFTDataset:
 
 
 def load_sft_dataset(
-    path: str, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, packing: bool
+    path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    packing: bool,
+    options: ReadOptions | None = None,
 ) -> SFTDataset:
-    """Read chat or prompt/response JSONL at ``path`` ('' = bundled) into an :class:`SFTDataset`."""
+    """Read the SFT data at ``path`` ('' = bundled) into an :class:`SFTDataset`: JSONL with
+    veoptim's reader, or anything ``datasets`` reads (``options`` decide; see ``sources.py``)."""
+    options = options or ReadOptions()
+    options.check()
     if max_seq_len < 2:
         raise DataError(
             f"data.max_seq_len must be >= 2 (a token and its successor), got {max_seq_len}."
@@ -225,10 +301,30 @@ def load_sft_dataset(
     if tokenizer.pad_token_id is None:
         raise DataError("the tokenizer has no pad token; load it with veoptim.data.load_tokenizer.")
     file = Path(path) if path else bundled_dataset_path()
-    conversations = read_conversations(file)
-    examples, truncation = tokenize_conversations(conversations, tokenizer, max_seq_len, file)
+    token_cache = None
+    if options.uses_datasets(path):
+        from veoptim.data.hf_datasets import read_with_datasets  # datasets loads only if used
+
+        examples, truncation, token_cache = read_with_datasets(
+            path or str(file), tokenizer, max_seq_len, options
+        )
+    else:
+        examples, truncation = tokenize_conversations(
+            read_conversations(file),
+            tokenizer,
+            max_seq_len,
+            file,
+            train_tool_turns=options.train_tool_turns,
+        )
     report_truncation(truncation, len(examples), max_seq_len, file)
     items = pack_examples(examples, max_seq_len, tokenizer.pad_token_id) if packing else examples
     return SFTDataset(
-        file, max_seq_len, packing, items, len(examples), truncation.num_truncated, truncation
+        file,
+        max_seq_len,
+        packing,
+        items,
+        len(examples),
+        truncation.num_truncated,
+        truncation,
+        token_cache,
     )

@@ -166,5 +166,10 @@ class DPOObjective:
             },
         )
 
+    def eval_metrics(self, loss: float, metrics: dict[str, float]) -> dict[str, float]:
+        """Loss, rewards and log-probs as means over the eval pairs (no perplexity: the
+        loss is not a token cross-entropy)."""
+        return {"loss": loss, **metrics}
+
     def state_components(self) -> Mapping[str, StateComponent]:
         return {}

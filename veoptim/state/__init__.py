@@ -20,6 +20,7 @@ SAMPLER = "sampler"
 PROGRESS = "progress"
 RNG = "rng"
 CONFIG = "config"
+RUN_IDS = "run_ids"
 
 __all__ = [
     "CONFIG",
@@ -28,6 +29,7 @@ __all__ = [
     "OPTIMIZER",
     "PROGRESS",
     "RNG",
+    "RUN_IDS",
     "SAMPLER",
     "JSONState",
     "ModelState",

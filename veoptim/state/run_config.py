@@ -17,10 +17,19 @@ RESUME_MUST_MATCH = (
     "model",
     "data",
     "train.max_steps",
+    "train.epochs",
     "train.global_batch_size",
     "train.seed",
     "optim.name",
     "scheduler",
+)
+#: Keys inside the sections above that only change how the same run is computed or
+#: evaluated, not its result: they may change between slices.
+MAY_CHANGE = (
+    "model.activation_checkpointing",
+    "model.attn_implementation",
+    "data.eval_path",
+    "data.num_proc",
 )
 #: On a weights-only resume only the model must match (shapes are validated anyway).
 WEIGHTS_ONLY_MUST_MATCH = ("model.arch", "model.path")
@@ -42,17 +51,29 @@ def _flat(config: Any, key: str) -> dict[str, Any]:
     return {key: value}
 
 
-def config_differences(saved: Any, live: dict[str, Any], keys: Sequence[str]) -> list[str]:
-    """'key: saved X, live Y' for every listed key (or leaf below it) that differs."""
+def config_differences(
+    saved: Any, live: dict[str, Any], keys: Sequence[str], defaults: dict[str, Any] | None = None
+) -> list[str]:
+    """'key: saved X, live Y' for every listed key (or leaf below it) that differs. A key
+    the saved config lacks (written before the key existed) matches a live value equal to
+    its default in ``defaults``; keys in :data:`MAY_CHANGE` are not compared."""
     saved_flat: dict[str, Any] = {}
     live_flat: dict[str, Any] = {}
+    default_flat: dict[str, Any] = {}
     for key in keys:
         saved_flat.update(_flat(saved, key))
         live_flat.update(_flat(live, key))
+        if defaults is not None:
+            default_flat.update(_flat(defaults, key))
+    for k, value in live_flat.items():
+        absent = saved_flat.get(k, ABSENT) == ABSENT
+        if absent and k in default_flat and value == default_flat[k]:
+            saved_flat[k] = value
     return [
         f"{k}: saved {saved_flat.get(k, ABSENT)!r}, live {live_flat.get(k, ABSENT)!r}"
         for k in sorted(set(saved_flat) | set(live_flat))
         if saved_flat.get(k, ABSENT) != live_flat.get(k, ABSENT)
+        and not any(k == m or k.startswith(m + ".") for m in MAY_CHANGE)
     ]
 
 
@@ -60,9 +81,14 @@ class RunConfigState:
     """``config`` (the resolved config as plain data); a load requires ``must_match`` equal."""
 
     def __init__(
-        self, config: dict[str, Any], must_match: Sequence[str] = RESUME_MUST_MATCH
+        self,
+        config: dict[str, Any],
+        must_match: Sequence[str] = RESUME_MUST_MATCH,
+        defaults: dict[str, Any] | None = None,
     ) -> None:
-        self.config, self.must_match = config, tuple(must_match)
+        """``defaults``: the task's default config, so checkpoints written before a key
+        existed still load when the live run leaves that key at its default."""
+        self.config, self.must_match, self.defaults = config, tuple(must_match), defaults
 
     def state(self) -> ComponentState:
         return ComponentState(json=self.config)
@@ -70,7 +96,7 @@ class RunConfigState:
     def stage(self, saved: SavedComponent) -> Staged:
         if not isinstance(saved.json, dict):
             raise CheckpointError(f"the {saved.name} state in {saved.path} is not a mapping.")
-        diffs = config_differences(saved.json, self.config, self.must_match)
+        diffs = config_differences(saved.json, self.config, self.must_match, self.defaults)
         if diffs:
             hint = (
                 " (checkpoint.load_optimizer=false resumes weights only)"

@@ -15,9 +15,10 @@ class Callback:
 
     Order of calls: (the trainer has already restored ``checkpoint.resume``, so every hook
     sees the restored state) ``on_train_begin`` → (``on_epoch_begin`` → (``on_step_begin`` →
-    ``on_step_end``)* → ``on_epoch_end``)* → ``on_train_end``; ``on_save`` after a
-    checkpoint is published; ``on_exception`` when the loop raises (then the
-    exception propagates).
+    ``on_step_end``)* → ``on_epoch_end``)* → ``on_train_end``; ``on_eval_end`` after an
+    evaluation (before the ``on_step_end`` of the step it followed, whose metrics then also
+    hold the ``eval_*`` values); ``on_save`` after a checkpoint is published;
+    ``on_exception`` when the loop raises (then the exception propagates).
     """
 
     def on_train_begin(self, trainer: Trainer) -> None: ...
@@ -29,6 +30,8 @@ class Callback:
     def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None: ...
 
     def on_epoch_end(self, trainer: Trainer) -> None: ...
+
+    def on_eval_end(self, trainer: Trainer, metrics: Metrics) -> None: ...
 
     def on_save(self, trainer: Trainer, path: str) -> None: ...
 

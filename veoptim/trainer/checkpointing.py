@@ -4,8 +4,9 @@ components, and the explicit resume step that runs before any callback hook."""
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -22,6 +23,7 @@ from veoptim.state import (
     OPTIMIZER,
     PROGRESS,
     RNG,
+    RUN_IDS,
     SAMPLER,
     JSONState,
     ModelState,
@@ -49,6 +51,7 @@ def build_checkpointer(cfg: CheckpointConfig, run_dir: Path, ctx: DistContext) -
         keep_last=cfg.keep_last,
         fsync=cfg.fsync,
         write_threads=cfg.write_threads,
+        storage_format=cfg.format,
         async_group=async_group,
     )
 
@@ -69,8 +72,23 @@ def standard_state(trainer: Trainer) -> dict[str, StateComponent]:
         SAMPLER: JSONState(trainer.sampler),
         PROGRESS: JSONState(trainer.progress),
         RNG: RNGState(trainer.ctx.device, trainer.ctx.world_size),
-        CONFIG: RunConfigState(trainer.config_dict),
+        CONFIG: RunConfigState(recorded_config(trainer), defaults=default_config(trainer)),
+        RUN_IDS: JSONState(trainer.run_ids),
     }
+
+
+def recorded_config(trainer: Trainer) -> dict[str, Any]:
+    """The resolved config a checkpoint records, with ``train.max_steps`` the run's actual
+    length (from ``train.epochs``, or the default when neither is set), so a resume compares
+    what the schedule targets, not how it was asked for."""
+    config = trainer.config_dict
+    config["train"] = {**config["train"], "max_steps": trainer.max_steps}
+    return config
+
+
+def default_config(trainer: Trainer) -> dict[str, Any]:
+    """The task's default config (keys a checkpoint predates are compared with it)."""
+    return asdict(type(trainer.cfg)())
 
 
 def weights_state(trainer: Trainer) -> dict[str, StateComponent]:
@@ -78,7 +96,7 @@ def weights_state(trainer: Trainer) -> dict[str, StateComponent]:
     load by the model keys only."""
     return {
         MODEL: trainer.state[MODEL],
-        CONFIG: RunConfigState(trainer.config_dict, WEIGHTS_ONLY_MUST_MATCH),
+        CONFIG: RunConfigState(recorded_config(trainer), WEIGHTS_ONLY_MUST_MATCH),
     }
 
 

@@ -7,6 +7,11 @@ micro-batch's ``normaliser`` over all ranks, and back-propagates
 *global* count, the step's loss is exact whatever the number of ranks and
 accumulation steps (not a mean of per-rank means). Metric sums an objective
 reports are normalised the same way before they are logged.
+
+Evaluation (``evaluation.py``) computes the same loss over the eval set. An objective
+may define ``eval_metrics(loss, metrics) -> dict[str, float]`` to choose what an
+evaluation reports from the eval set's mean loss and normalised metric sums (SFT adds
+the perplexity); without it, the loss and the metrics are reported as they are.
 """
 
 from __future__ import annotations

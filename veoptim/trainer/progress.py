@@ -1,4 +1,5 @@
-"""Trainer progress: the counters a checkpoint saves so a resumed run continues exactly.
+"""Trainer progress: the counters a checkpoint saves so a resumed run continues exactly,
+and the run's external identities (its wandb run id) that every slice continues.
 
 The epoch is not counted here: it is the sampler's position in the data.
 """
@@ -34,3 +35,21 @@ class TrainerProgress:
             )
         for key in PROGRESS_KEYS:
             setattr(self, key, state[key])
+
+
+@dataclass
+class RunIds:
+    """Identities of the run outside veoptim, kept in checkpoints so every slice of a run
+    continues them: the wandb run id ('' until a wandb callback sets it)."""
+
+    wandb: str = ""
+
+    def state_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        if not isinstance(state, dict) or set(state) != {"wandb"}:
+            raise CheckpointError(f"run ids must be {{'wandb': <str>}}, found {state!r}.")
+        if not isinstance(state["wandb"], str):
+            raise CheckpointError(f"the saved wandb run id must be a string, found {state!r}.")
+        self.wandb = state["wandb"]

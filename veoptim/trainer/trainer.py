@@ -4,8 +4,10 @@ Data flows one way: config → runtime objects (built in :meth:`Trainer.from_con
 → resume → the loop → callbacks. The loop is task-agnostic: the task's
 :class:`~veoptim.trainer.objective.Objective` supplies micro-batches and the loss as a
 sum plus a normaliser. What a checkpoint holds is the trainer's ``state``: named
-components (model, optimizer, LR scheduler, sampler, progress, RNG, config, and any
-the objective or task registers); the checkpointer saves and loads exactly those.
+components (model, optimizer, LR scheduler, sampler, progress, RNG, config, run ids, and
+any the objective or task registers); the checkpointer saves and loads exactly those.
+Evaluation (``evaluation.py``) runs after a step, before that step's callbacks, when
+``train.eval_every`` or the end of training asks for it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from veoptim.checkpoint.component import StateComponent, check_component_name
 from veoptim.config.launch import check_launch
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, load_tokenizer, special_token_ids
+from veoptim.data.holdout import split_holdout
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
 from veoptim.errors import (
     CheckpointError,
@@ -34,8 +37,6 @@ from veoptim.errors import (
     LiveStateInvalidError,
     PreemptedError,
 )
-from veoptim.lora import apply_lora
-from veoptim.models import build_model
 from veoptim.models.build import check_model_fits
 from veoptim.optim import build_optimizer, build_scheduler
 from veoptim.trainer.callback import Callback, CallbackList, Metrics
@@ -47,9 +48,11 @@ from veoptim.trainer.checkpointing import (
     standard_state,
     weights_state,
 )
+from veoptim.trainer.evaluation import EvalSet, build_eval_set, evaluate
+from veoptim.trainer.model_setup import unsharded_model
 from veoptim.trainer.objective import MicroBatch, Objective
 from veoptim.trainer.preemption import PreemptionGuard
-from veoptim.trainer.progress import TrainerProgress
+from veoptim.trainer.progress import RunIds, TrainerProgress
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,10 @@ class Trainer:
     run_dir: Path
     checkpointer: Checkpointer
     progress: TrainerProgress = field(default_factory=TrainerProgress)
+    #: External identities every slice of the run continues (the wandb run id).
+    run_ids: RunIds = field(default_factory=RunIds)
+    #: What evaluation runs over (None: no data.eval_path or data.eval_fraction).
+    eval_set: EvalSet | None = None
     state: dict[str, StateComponent] = field(default_factory=dict)
     #: The checkpoint version this run resumed from (None: a fresh start).
     resumed_from: Path | None = None
@@ -105,35 +112,41 @@ class Trainer:
         tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
         check_model_fits(cfg.model, len(tokenizer), cfg.data.max_seq_len, tokenizer.name_or_path)
         objective = cfg.build_objective(tokenizer)
+        holdout = split_holdout(objective.num_examples, cfg.data.eval_fraction)
+        eval_set = build_eval_set(cfg, tokenizer, objective, holdout)
         special = special_token_ids(tokenizer)
-        # Ranks other than 0 build without storage; the plan fills their shards from rank 0.
-        on_meta = ctx.world_size > 1 and not ctx.is_main
-        model = build_model(cfg.model, len(tokenizer), special, on_meta=on_meta)
-        if cfg.lora.enabled:  # adapters join the model before it is sharded
-            apply_lora(model, cfg.lora, seed=cfg.model.init_seed)
+        model, files = unsharded_model(cfg, ctx, len(tokenizer), special)
         plan = build_parallel_plan(
             cfg.parallel, ctx, num_experts=getattr(model.config, "num_experts", 0) or 0
         )
-        model = plan.apply(model)  # moves the model to ctx.device, then shards it
+        model = plan.apply(model, shards=files)  # on ctx.device, sharded, weights filled
 
         def starting_model() -> torch.nn.Module:
             """Another copy of the starting weights: frozen, eval mode, the same plan."""
-            copy = build_model(cfg.model, len(tokenizer), special, on_meta=on_meta)
+            copy, files = unsharded_model(cfg, ctx, len(tokenizer), special, with_lora=False)
             copy.requires_grad_(False)
-            return plan.apply(copy).eval()
+            return plan.apply(copy, shards=files).eval()
 
         objective.setup(model, starting_model)
         optimizer = build_optimizer(model, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.train.max_steps)
-        sampler = GlobalBatchSampler(
-            num_examples=objective.num_examples,
+        sampler = GlobalBatchSampler(  # over the training examples only (not the hold-out)
+            num_examples=len(holdout.train),
             global_batch_size=cfg.train.global_batch_size,
             micro_batch_size=cfg.train.micro_batch_size,
             dp_rank=plan.dp_rank,
             dp_size=plan.dp_size,
             seed=cfg.train.seed,
-            data_fingerprint=objective.data_fingerprint,
+            data_fingerprint=holdout.fingerprint(objective.data_fingerprint),
+            indices=holdout.train if holdout.eval else None,
         )
+        max_steps = cfg.train.total_steps(sampler.steps_per_epoch)
+        if cfg.train.stop_at_step > max_steps:
+            raise ConfigError(
+                f"train.stop_at_step ({cfg.train.stop_at_step}) must be <= the run's "
+                f"{max_steps} steps (train.epochs={cfg.train.epochs} x "
+                f"{sampler.steps_per_epoch} steps per epoch)."
+            )
+        scheduler = build_scheduler(optimizer, cfg.scheduler, max_steps)
         run_dir = Path(cfg.run.dir)
         trainer = cls(
             cfg=cfg,
@@ -148,6 +161,7 @@ class Trainer:
             callbacks=CallbackList(callbacks or []),
             run_dir=run_dir,
             checkpointer=build_checkpointer(cfg.checkpoint, run_dir, ctx),
+            eval_set=eval_set,
         )
         for name, component in standard_state(trainer).items():
             trainer.register_state(name, component)
@@ -168,9 +182,15 @@ class Trainer:
         return asdict(self.cfg)
 
     @property
+    def max_steps(self) -> int:
+        """Optimizer steps of the whole run: ``train.max_steps``, or ``train.epochs`` passes
+        of the sampler (the LR schedule targets this)."""
+        return self.cfg.train.total_steps(self.sampler.steps_per_epoch)
+
+    @property
     def last_step(self) -> int:
         """The step at which this process stops (``stop_at_step`` slices a longer run)."""
-        return self.cfg.train.stop_at_step or self.cfg.train.max_steps
+        return self.cfg.train.stop_at_step or self.max_steps
 
     def resume(self) -> None:
         """Restore ``checkpoint.resume`` (if set) into the live state, before any callback.
@@ -219,6 +239,8 @@ class Trainer:
                         self.callbacks.call("on_epoch_begin", self)
                     self.callbacks.call("on_step_begin", self)
                     metrics = self.train_step()
+                    if self.eval_due():  # before the step's callbacks: its record and checkpoint
+                        metrics.update(self.evaluate())
                     self.callbacks.call("on_step_end", self, metrics)
                     if self.sampler.step_in_epoch == 0:  # the step finished an epoch
                         self.callbacks.call("on_epoch_end", self)
@@ -231,6 +253,30 @@ class Trainer:
         if self.preempted:
             raise PreemptedError(preempted_message(self))
         return self.progress
+
+    def eval_due(self) -> bool:
+        """Evaluate after this step: every ``train.eval_every`` steps and at the end of
+        training (not after a preemption: the run must stop quickly)."""
+        if self.eval_set is None or self.preempted:
+            return False
+        step, every = self.progress.global_step, self.cfg.train.eval_every
+        return step == self.max_steps or bool(every and step % every == 0)
+
+    def evaluate(self) -> Metrics:
+        """The objective's loss (and its other eval metrics) over the eval set, as
+        ``eval_<name>`` values; then ``on_eval_end``. Collective: call it on every rank."""
+        if self.eval_set is None:
+            raise ConfigError("evaluation needs data.eval_path or data.eval_fraction.")
+        metrics = evaluate(
+            self.model,
+            self.objective,
+            self.eval_set,
+            self.plan,
+            self.ctx.device,
+            self.cfg.train.micro_batch_size,
+        )
+        self.callbacks.call("on_eval_end", self, metrics)
+        return metrics
 
     def next_batch(self) -> list[MicroBatch]:
         """This rank's micro-batches of the next global batch (inputs still on the host)."""

@@ -22,7 +22,7 @@ from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.resolve import resolve
 from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
-from veoptim.errors import SlotError
+from veoptim.errors import ConfigError, SlotError
 
 GOOD = "save_000001"
 LORA_A = "model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -115,23 +115,28 @@ def test_missing_optimizer_state(writer, live):
     assert_fails_closed(live, ref, rf"missing 1 tensor.*optimizer\.{LORA_A}\.exp_avg")
 
 
+def _shards(out: Path) -> list[Path]:
+    """The DCP data files (``.raw`` or ``.distcp``, after ``checkpoint.format``)."""
+    return sorted(p for p in (out / C.DCP_DIR).iterdir() if p.name != ".metadata")
+
+
 def test_missing_shard_file(writer, live):
     def drop_shard(out: Path) -> None:
-        shards = sorted((out / C.DCP_DIR).glob("*.distcp"))
+        shards = _shards(out)
         assert len(shards) > 1
         shards[-1].unlink()
 
     ref = republish(writer.store.root, "no_shard", edit=drop_shard)
-    assert_fails_closed(live, ref, "reading checkpoint")
+    assert_fails_closed(live, ref, "is missing|reading checkpoint")
 
 
 def test_truncated_shard(writer, live):
     def truncate(out: Path) -> None:
-        shard = max((out / C.DCP_DIR).glob("*.distcp"), key=lambda p: p.stat().st_size)
+        shard = max(_shards(out), key=lambda p: p.stat().st_size)
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
 
     ref = republish(writer.store.root, "truncated", edit=truncate)
-    assert_fails_closed(live, ref, "reading checkpoint")
+    assert_fails_closed(live, ref, "is truncated|reading checkpoint")
 
 
 def test_other_world_size(writer, live):
@@ -230,3 +235,21 @@ def test_escaping_save_names(live):
             live.save_slot(0, name)
     assert_unchanged(before, live)
     assert not (live.store.root.parent / "evil").exists()
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("train.epochs", 2), ("train.eval_every", 5), ("data.eval_path", "x.jsonl"),
+     ("data.eval_fraction", 0.1)],
+)  # fmt: skip
+def test_keys_a_slot_trainer_cannot_honour_are_refused(tmp_path, key, value):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build(tmp_path, **{key: value})
+
+
+def test_the_slot_schedule_defaults_like_the_trainer(tmp_path):
+    from veoptim.config.schema import DEFAULT_MAX_STEPS
+
+    trainer = build(tmp_path, **{"train.max_steps": 0, "scheduler.name": "linear"})
+    trainer.create_slot(0)
+    assert trainer.slots[0].optimizer.scheduler.max_steps == DEFAULT_MAX_STEPS

@@ -40,3 +40,25 @@ class MultiLoRAConfig(TrainerConfig):
             "a multi-LoRA config drives SlotTrainer (python -m tasks.multi_lora), not the "
             "single-model Trainer."
         )
+
+    def check_slot_keys(self) -> None:
+        """Refuse the shared keys a slot trainer has no use for, instead of ignoring them:
+        slots are stepped by their callers, not over a dataset's epochs or eval split."""
+        unused = {
+            "train.epochs": self.train.epochs,
+            "train.eval_every": self.train.eval_every,
+            "data.eval_path": self.data.eval_path,
+            "data.eval_fraction": self.data.eval_fraction,
+        }
+        set_keys = [f"{k}={v!r}" for k, v in unused.items() if v]
+        if set_keys:
+            raise ConfigError(
+                "a multi-LoRA (slot) trainer has no dataset epochs or evaluation of its own; "
+                f"leave these keys unset: {', '.join(set_keys)} (each slot's schedule length "
+                "is train.max_steps)."
+            )
+
+    @property
+    def schedule_steps(self) -> int:
+        """The length every slot's LR schedule targets."""
+        return self.train.total_steps(steps_per_epoch=0)

@@ -88,6 +88,7 @@ class SlotTrainer:
 
     def __init__(self, cfg: MultiLoRAConfig, ctx: DistContext, *, owns_ctx: bool = False) -> None:
         validate_config(cfg)
+        cfg.check_slot_keys()
         if cfg.slots.keep_last < 0:
             raise ConfigError(f"slots.keep_last must be >= 0 (0 = all), got {cfg.slots.keep_last}.")
         check_launch(cfg.parallel, ctx.world_size)
@@ -369,7 +370,7 @@ class SlotTrainer:
     def _new_optimizer(self, slot: int, hyper: SlotHyper) -> SlotOptimizer:
         cfg = self.cfg
         return SlotOptimizer(
-            self._params[slot], cfg.optim, cfg.scheduler, cfg.train.max_steps, hyper
+            self._params[slot], cfg.optim, cfg.scheduler, cfg.schedule_steps, hyper
         )
 
     def _check_index(self, slot: int) -> None:
