@@ -74,3 +74,8 @@ def test_the_task_commands_are_console_scripts(wheel):
     assert dict(parser["console_scripts"]) == COMMANDS
     modules = {f"{target.split(':')[0].replace('.', '/')}.py" for target in COMMANDS.values()}
     assert sorted(modules - set(wheel.namelist())) == []
+
+
+def test_the_native_kernel_source_is_in_the_wheel(wheel):
+    """The CPU optimizer kernel is compiled from its source at run time."""
+    assert "veoptim/optim/native/adamw.c" in wheel.namelist()

@@ -10,8 +10,9 @@ same device: ``fraction_of_copy_bw`` = (ideal bytes per parameter x count / time
 (CPU, BF16 parameters): full_fp32_adamw <= 1.1x, master_fp32_adamw and
 cpu_offload_adamw <= 1.25x of the baseline.
 
-On an accelerator (``--device cuda``) the exact types use the compiled mixed-dtype
-kernel (``kernel="auto"``); ``*_eager`` variants force the widening engine, and
+The exact types run with ``kernel="auto"``: on CPU the native one-pass kernel
+(``veoptim/optim/native_kernel.py``), on an accelerator the compiled one; the
+``*_eager`` variants force the widening engine (the "before" of either), and
 ``host_update_bf16_params`` is the host kernel alone (the same state on CPU), so
 ``cpu_offload_adamw`` is reported against the resident step and against that
 (the streaming overhead; target <= 1.2x).
@@ -75,7 +76,8 @@ VARIANTS: dict[str, tuple[torch.dtype, Factory, int, str]] = {
         "device",
     ),
     "adamw_bf16_params": (torch.bfloat16, lambda p: AdamW(p, fused=True, **HYPER), 14, "device"),
-    # accelerator-only comparisons (see --variants defaults below)
+    # the eager engine (torch's one-dtype fused kernel on widened operands): on CPU the
+    # "before" of the native kernel, on an accelerator the "before" of the compiled one
     "full_fp32_adamw_bf16_params_eager": (
         torch.bfloat16,
         lambda p: FullFP32AdamW(p, kernel="eager", **HYPER),
@@ -88,14 +90,21 @@ VARIANTS: dict[str, tuple[torch.dtype, Factory, int, str]] = {
         20,
         "device",
     ),
+    "cpu_offload_adamw_bf16_params_eager": (
+        torch.bfloat16,
+        lambda p: CPUOffloadAdamW([{"params": p, "cpu_offload": True}], kernel="eager", **HYPER),
+        28,
+        "device",
+    ),
+    # the host kernel alone (native on CPU where it builds), what offloading streams through
     "host_update_bf16_params": (
         torch.bfloat16,
-        lambda p: FullFP32AdamW(p, kernel="eager", **HYPER),
+        lambda p: FullFP32AdamW(p, **HYPER),
         28,
         HOST,
     ),
 }
-CPU_DEFAULT = [n for n in VARIANTS if not n.endswith("_eager") and n != "host_update_bf16_params"]
+CPU_DEFAULT = [n for n in VARIANTS if n != "host_update_bf16_params"]
 ACCEL_DEFAULT = [
     BASELINE,
     "full_fp32_adamw_bf16_params",

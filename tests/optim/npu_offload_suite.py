@@ -50,11 +50,12 @@ def npu(monkeypatch: pytest.MonkeyPatch) -> FakeNPU:
     return fake
 
 
-def _npu_staged(chunk: int):
-    """CPUOffloadAdamW whose offloaded parameters stream through npu:0's staging."""
+def _npu_staged(chunk: int, kernel: str = "auto"):
+    """CPUOffloadAdamW whose offloaded parameters stream through npu:0's staging (the host
+    update by the native kernel with "auto", by the eager engine with "eager")."""
 
     def factory(groups):
-        opt = CPUOffloadAdamW(groups, chunk_size=chunk, **HYPER)
+        opt = CPUOffloadAdamW(groups, chunk_size=chunk, kernel=kernel, **HYPER)
         opt._staging[HOST] = StagingBuffer(chunk, torch.device("npu", 0))
         return opt
 
@@ -62,13 +63,14 @@ def _npu_staged(chunk: int):
 
 
 def _cpu(chunk: int):
-    return lambda groups: CPUOffloadAdamW(groups, chunk_size=chunk, **HYPER)
+    return lambda groups: CPUOffloadAdamW(groups, chunk_size=chunk, kernel="eager", **HYPER)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "eager"])
 @pytest.mark.parametrize("chunk", [256, 100])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_npu_staging_is_bitwise_the_cpu_update(npu, chunk, dtype):
-    np_, no = run_variant(_npu_staged(chunk), STEPS, dtype, ALL)
+def test_npu_staging_is_bitwise_the_cpu_update(npu, chunk, dtype, kernel):
+    np_, no = run_variant(_npu_staged(chunk, kernel), STEPS, dtype, ALL)
     cp, co = run_variant(_cpu(chunk), STEPS, dtype, ALL)
     assert all(torch.equal(a, b) for a, b in zip(np_, cp, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(masters(no, np_), masters(co, cp), strict=True))

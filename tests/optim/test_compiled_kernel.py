@@ -99,9 +99,10 @@ def test_auto_selects_the_compiled_kernel_on_accelerators_only(monkeypatch):
     assert not ck.use_compiled("auto", "npu", sr=False)
 
 
-def test_default_cpu_step_uses_the_eager_engine():
-    params, opt = _run(FullFP32AdamW, torch.bfloat16, "auto", steps=1)
-    assert opt._scratch._buffers, "on CPU the eager engine widens into scratch"
+def test_default_cpu_step_does_not_compile_and_eager_widens_into_scratch():
+    params, opt = _run(FullFP32AdamW, torch.bfloat16, "eager", steps=1)
+    assert opt._scratch._buffers, "the eager engine widens into scratch"
+    assert not ck.use_compiled("auto", "cpu", sr=False)
 
 
 def test_kernel_setting_is_validated_and_survives_deepcopy():

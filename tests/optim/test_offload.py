@@ -82,11 +82,19 @@ def test_mixed_groups_use_configured_moment_dtypes_and_devices():
 
 
 def test_staging_is_allocated_once_and_bounded_by_chunk_size():
-    params, opt = _offloaded(256, torch.bfloat16)
+    params, opt = _offloaded(256, torch.bfloat16, kernel="eager")
     (staging,) = opt._staging.values()
     assert staging.allocations == 3  # two grad slots and one write-back slot, never regrown
     for slot in (*staging._grad, staging._out):
         assert slot.buf.numel() == 256 * 4
+
+
+def test_cpu_only_offload_with_the_native_kernel_stages_nothing():
+    params, opt = _offloaded(256, torch.bfloat16)
+    assert all(s.allocations == 0 for s in opt._staging.values())
+    eager_params, eager = _offloaded(256, torch.bfloat16, kernel="eager")
+    assert _same(params, eager_params)
+    assert _same(masters(opt, params), masters(eager, eager_params))
 
 
 def test_offload_flag_is_not_serialized_into_param_groups():

@@ -38,6 +38,7 @@ from veoptim.optim.fused_engine import (
     UpdateBatch,
     adamw_update_,
 )
+from veoptim.optim.native_kernel import native_for
 from veoptim.optim.offload import StagingBuffer, offload_update_
 from veoptim.optim.param_edits import EditFollowingMixin, Mark, log_rederived, mark_of
 from veoptim.optim.rounding import noise_key
@@ -114,8 +115,8 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
         self.sr_seed = sr_seed
         self.chunk_size = chunk_size
         self.fused_chunk_size = fused_chunk_size
-        #: "auto": a compiled mixed-dtype kernel on cuda/npu, the eager engine on CPU
-        #: ("eager", "compiled" force one); see compiled_kernel.py.
+        #: "auto": a compiled mixed-dtype kernel on cuda/npu, the native one on CPU where it
+        #: builds (native_kernel.py), else the eager engine ("eager", "compiled" force one).
         self.kernel = check_kernel(kernel)
         self.param_names: dict[int, str] = dict(param_names or {})
         self._init_runtime()
@@ -305,11 +306,16 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
             staging = self._staging.get(device)
             if staging is None:
                 staging = self._staging[device] = StagingBuffer(self.chunk_size, device)
-            offload_update_(batch, hp, staging, self._host_scratch, self.stochastic_rounding)
+            sr = self.stochastic_rounding
+            native = native_for(self.kernel, batch, sr, offloaded=True)
+            offload_update_(batch, hp, staging, self._host_scratch, sr, native)
         else:
             device = batch.masters[0].device
             sr = self.stochastic_rounding
-            if not (
+            native = native_for(self.kernel, batch, sr)
+            if native is not None:
+                native.update_(batch, hp)
+            elif not (
                 use_compiled(self.kernel, device.type, sr) and compiled_update_(batch, hp, device)
             ):
                 adamw_update_(batch, hp, self._scratch, self.fused_chunk_size, sr)

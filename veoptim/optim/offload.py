@@ -25,6 +25,7 @@ import torch
 
 from veoptim.distributed.device import Event, accelerator
 from veoptim.optim.fused_engine import Hyper, Scratch, UpdateBatch, _widen, align_chunk
+from veoptim.optim.native_kernel import NativeKernel
 from veoptim.optim.rounding import write_back_
 
 _SLOT_ITEMSIZE = 4  # widest supported parameter/gradient dtype (FP32)
@@ -101,9 +102,18 @@ class StagingBuffer:
 
 
 def offload_update_(
-    batch: UpdateBatch, hp: Hyper, staging: StagingBuffer, scratch: Scratch, sr: bool
+    batch: UpdateBatch,
+    hp: Hyper,
+    staging: StagingBuffer,
+    scratch: Scratch,
+    sr: bool,
+    native: NativeKernel | None = None,
 ) -> None:
-    """AdamW update of host-resident masters/moments from device gradients, chunk by chunk."""
+    """AdamW update of host-resident masters/moments from device gradients, chunk by chunk
+    (by ``native``, the one-pass host kernel, where given: bitwise the same)."""
+    if native is not None and staging.device.type == "cpu":
+        native.update_(batch, hp)  # nothing to stage; chunks are aligned, so one call is the same
+        return
     chunk = staging.chunk
     jobs = [
         (i, start, min(m.numel(), start + chunk))
@@ -125,6 +135,13 @@ def offload_update_(
             staging.fetch(k + 1, batch.grads[ni][ns:ne], fetch_dtype)
         n = end - start
         grad = staging.fetched(k, n, fetch_dtype or batch.grads[i].dtype)
+        param = batch.outs[i]
+        assert param is not None, "an offloaded master never aliases its device parameter"
+        if native is not None:  # widens, updates and narrows into the write-back slot at once
+            out = staging.out(n, param.dtype)
+            native.update_(_host_segment(batch, i, start, end, grad, out), hp)
+            staging.push(param[start:end], out)
+            continue
         grad = _widen(scratch, "grad", [grad], n)
         master = batch.masters[i][start:end]
         m_store = batch.exp_avgs[i][start:end]
@@ -134,8 +151,6 @@ def offload_update_(
         torch._fused_adamw_([master], grad, m32, v32, [], [batch.steps[i]], **kwargs)
         if m32[0] is not m_store:
             torch._foreach_copy_([m_store, v_store], [m32[0], v32[0]])
-        param = batch.outs[i]
-        assert param is not None, "an offloaded master never aliases its device parameter"
         out = param[start:end] if direct else staging.out(n, param.dtype)
         write_back_(
             [out],
@@ -146,3 +161,19 @@ def offload_update_(
         )
         if not direct:
             staging.push(param[start:end], out)
+
+
+def _host_segment(
+    batch: UpdateBatch, i: int, start: int, end: int, grad: torch.Tensor, out: torch.Tensor
+) -> UpdateBatch:
+    """Elements ``[start, end)`` of tensor ``i``: host state, staged gradient and output."""
+    return UpdateBatch(
+        masters=[batch.masters[i][start:end]],
+        grads=[grad],
+        exp_avgs=[batch.exp_avgs[i][start:end]],
+        exp_avg_sqs=[batch.exp_avg_sqs[i][start:end]],
+        steps=[batch.steps[i]],
+        outs=[out],
+        sr_keys=[],
+        sr_offsets=[],
+    )
