@@ -15,8 +15,8 @@ update within the tolerance ``tests/optim/test_compiled_kernel.py`` states.
 Resume stays bitwise because a resumed run uses the same kernel.
 
 Selection (``kernel=`` of the exact optimizers): ``"auto"`` compiles on cuda and npu
-and keeps the eager engine on CPU; ``"eager"`` never compiles; ``"compiled"``
-compiles on any device (CPU needs a C++ compiler). Stochastic rounding always
+(on CPU it takes the native kernel, ``native_kernel.py``); ``"eager"`` never compiles;
+``"compiled"`` compiles on any device (CPU needs a C++ compiler). Stochastic rounding always
 uses the eager engine (its noise hash is defined there).
 """
 

@@ -18,6 +18,7 @@ applies; ``ctypes`` releases the GIL meanwhile).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import math
@@ -106,9 +107,9 @@ def _cpu_key() -> str:
 def build(
     compiler: str | None = None, directory: Path | None = None, flags: tuple[str, ...] = CFLAGS
 ) -> Path:
-    """The shared library for this machine: built once (atomically: concurrent builders
-    each write a temporary file and rename it), then reused. Raises OSError or
-    CalledProcessError when no compiler works."""
+    """The shared library for this machine: built once (under a lock, into a temporary
+    file renamed into place, so a reader never sees half a library), then reused. Raises
+    OSError or CalledProcessError when no compiler works."""
     cc = compiler or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
@@ -121,16 +122,20 @@ def build(
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".adamw-", suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(directory / ".build.lock", "w") as lock:  # ranks starting together build once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        fd, tmp = tempfile.mkstemp(prefix=".adamw-", suffix=".so", dir=directory)
+        os.close(fd)
+        try:
+            subprocess.run(
+                [cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=True
+            )
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 
