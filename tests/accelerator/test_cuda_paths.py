@@ -33,14 +33,15 @@ def _train(device: torch.device, factory, dtype: torch.dtype, offload: bool):
     return params, opt
 
 
+@pytest.mark.parametrize("kernel", ["auto", "eager"])  # host update: native / eager engine
 @pytest.mark.parametrize("chunk", [96, 256, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_offload_on_cuda_is_bitwise_the_same_update_on_cpu(chunk, dtype):
-    def factory(groups):
-        return CPUOffloadAdamW(groups, chunk_size=chunk, **HYPER)
+def test_offload_on_cuda_is_bitwise_the_same_update_on_cpu(chunk, dtype, kernel):
+    def factory(groups, kernel=kernel):
+        return CPUOffloadAdamW(groups, chunk_size=chunk, kernel=kernel, **HYPER)
 
     gp, go = _train(CUDA, factory, dtype, offload=True)
-    cp, co = _train(torch.device("cpu"), factory, dtype, offload=True)
+    cp, co = _train(torch.device("cpu"), lambda g: factory(g, "eager"), dtype, offload=True)
     for g, c in zip(gp, cp, strict=True):
         assert g.device.type == "cuda", "the compute parameter must stay on its device"
         assert torch.equal(g.detach().cpu(), c.detach())

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.compose import compose_config, load_config
-from tasks.runner import run_task
+from tasks.compose import load_config
 from tests.checkpoint.helpers import ckpt_io
 from veoptim.checkpoint import step_name
 from veoptim.config.schema import DEFAULT_MAX_STEPS, SchedulerConfig
@@ -87,14 +86,11 @@ def test_warmup_ratio_schedule_equals_the_warmup_steps_it_stands_for():
 
 def test_resume_of_an_epoch_run_is_bitwise(tmp_path):
     common = [*BASE, "train.epochs=2", "data.eval_fraction=0.25", "train.eval_every=2"]
-    run_task(compose_config("sft", [f"run.dir={tmp_path / 'straight'}", *common]))
-    sliced = [f"run.dir={tmp_path / 'sliced'}", *common]
-    run_task(compose_config("sft", [*sliced, "train.stop_at_step=4"]))
-    run_task(compose_config("sft", [*sliced, "checkpoint.resume=auto"]))
-    a = ckpt_io.read_checkpoint(tmp_path / "straight" / "checkpoints" / step_name(6))
-    b = ckpt_io.read_checkpoint(tmp_path / "sliced" / "checkpoints" / step_name(6))
+    straight, sliced = ckpt_io.straight_and_sliced(tmp_path, common, stop=4)
+    a = ckpt_io.read_checkpoint(straight / "checkpoints" / step_name(6))
+    b = ckpt_io.read_checkpoint(sliced / "checkpoints" / step_name(6))
     assert ckpt_io.differences(a, b) == []
-    assert ckpt_io.metrics(tmp_path / "straight") == ckpt_io.metrics(tmp_path / "sliced")
+    assert ckpt_io.metrics(straight) == ckpt_io.metrics(sliced)
 
 
 def test_default_run_length_is_unchanged():

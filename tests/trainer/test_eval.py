@@ -162,15 +162,12 @@ def test_eval_does_not_change_training_bitwise(tmp_path):
 def test_resume_with_eval_is_bitwise(tmp_path):
     common = [*BASE, DROPOUT, "train.max_steps=6", "data.eval_fraction=0.002",
               "train.eval_every=2"]  # fmt: skip
-    run_task(compose_config("sft", [f"run.dir={tmp_path / 'straight'}", *common]))
-    sliced = [f"run.dir={tmp_path / 'sliced'}", *common]
-    run_task(compose_config("sft", [*sliced, "train.stop_at_step=3"]))
-    run_task(compose_config("sft", [*sliced, "checkpoint.resume=auto"]))
-    a = ckpt_io.read_checkpoint(tmp_path / "straight" / "checkpoints" / step_name(6))
-    b = ckpt_io.read_checkpoint(tmp_path / "sliced" / "checkpoints" / step_name(6))
+    straight_dir, sliced_dir = ckpt_io.straight_and_sliced(tmp_path, common, stop=3)
+    a = ckpt_io.read_checkpoint(straight_dir / "checkpoints" / step_name(6))
+    b = ckpt_io.read_checkpoint(sliced_dir / "checkpoints" / step_name(6))
     assert ckpt_io.differences(a, b) == []
-    straight, resumed = _records(tmp_path / "straight"), _records(tmp_path / "sliced")
-    assert ckpt_io.metrics(tmp_path / "straight") == ckpt_io.metrics(tmp_path / "sliced")
+    straight, resumed = _records(straight_dir), _records(sliced_dir)
+    assert ckpt_io.metrics(straight_dir) == ckpt_io.metrics(sliced_dir)
     evals = [(r["step"], r["eval_loss"]) for r in straight if "eval_loss" in r]
     assert [s for s, _ in evals] == [2, 4, 6]
     assert evals == [(r["step"], r["eval_loss"]) for r in resumed if "eval_loss" in r]

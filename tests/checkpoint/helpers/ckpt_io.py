@@ -1,4 +1,5 @@
-"""Read a published training checkpoint back into full tensors, compare two, tamper with one.
+"""Read a published training checkpoint back into full tensors, compare two, tamper with one;
+run a task straight and sliced (stopped and resumed) for the comparison.
 
 Runs in the pytest process (no process group): DCP reads every shard of every rank
 into full (unsharded) tensors, whatever world size wrote it. The comparison is
@@ -119,3 +120,16 @@ def write_bf16_rounded_masters(src: Path, root: Path, name: str) -> int:
         shutil.copytree(snapshot.path / C.STATE_DIR, out / C.STATE_DIR)
         dcp.save(tensors, storage_writer=FileSystemWriter(out / C.DCP_DIR), no_dist=True)
     return changed
+
+
+def straight_and_sliced(root: Path, overrides: list[str], stop: int) -> tuple[Path, Path]:
+    """Run ``python -m tasks.sft`` with ``overrides`` straight through, and again stopped
+    at step ``stop`` and resumed (``checkpoint.resume=auto``); returns the two run dirs."""
+    from tasks.compose import compose_config
+    from tasks.runner import run_task
+
+    straight, sliced = root / "straight", root / "sliced"
+    run_task(compose_config("sft", [f"run.dir={straight}", *overrides]))
+    run_task(compose_config("sft", [f"run.dir={sliced}", *overrides, f"train.stop_at_step={stop}"]))
+    run_task(compose_config("sft", [f"run.dir={sliced}", *overrides, "checkpoint.resume=auto"]))
+    return straight, sliced
