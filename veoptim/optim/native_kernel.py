@@ -273,6 +273,7 @@ def _load_checked() -> NativeKernel | None:
 def _check_batch(
     seed: int, grad_dtype: torch.dtype, moment_dtypes: tuple, out_dtype
 ) -> UpdateBatch:
+    """A random batch: values over seven decades, every tail length, steps 1 to 1000."""
     gen = torch.Generator().manual_seed(seed)
     sizes = (4096 + 37, 64 * 3, *(16 * k + k for k in range(16)))  # every tail length
     scale = [10.0**e for e in (-6, -2, 1)]
