@@ -10,6 +10,7 @@ kernel's own check, so a miscompiled kernel can never run.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 
@@ -159,3 +160,18 @@ def test_a_build_is_reused_from_the_cache(tmp_path):
     assert nk.build(directory=tmp_path) == first and first.stat().st_mtime_ns == stamp
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted([first.name, ".build.lock"]), "no temporary file left"
+
+
+def test_without_a_home_directory_the_cache_is_a_private_temporary_one(monkeypatch):
+    def no_home():
+        raise RuntimeError("Could not determine home directory")
+
+    monkeypatch.setattr(nk.Path, "home", staticmethod(no_home))
+    assert nk.cache_dir().name == f"veoptim-kernels-{os.getuid()}"
+
+
+def test_a_cache_others_can_write_to_is_refused(tmp_path):
+    """A library from a directory another user can write to could be anyone's code."""
+    tmp_path.chmod(0o777)
+    with pytest.raises(PermissionError, match="only this user"):
+        nk.build(directory=tmp_path)

@@ -87,8 +87,12 @@ def _hyper(hp: Hyper, step: float) -> _Hyper:
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept: private to the user."""
-    return Path.home() / ".cache" / "veoptim" / "kernels"
+    """Where built kernels are kept: private to the user (a per-user temporary directory
+    where there is no home directory)."""
+    try:
+        return Path.home() / ".cache" / "veoptim" / "kernels"
+    except RuntimeError:
+        return Path(tempfile.gettempdir()) / f"veoptim-kernels-{os.getuid()}"
 
 
 def _cpu_key() -> str:
@@ -118,10 +122,13 @@ def build(
         "\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_key()]).encode()
     ).hexdigest()[:16]
     directory = directory or cache_dir()
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = directory.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise PermissionError(f"{directory} is not a directory only this user can write to")
     target = directory / f"adamw-{key}.so"
     if target.exists():
         return target
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     with open(directory / ".build.lock", "w") as lock:  # ranks starting together build once
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
@@ -251,7 +258,7 @@ def native_kernel() -> NativeKernel | None:
 def _load_checked() -> NativeKernel | None:
     try:
         kernel = NativeKernel(build())
-    except (OSError, subprocess.CalledProcessError) as exc:
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         LOG.info(
             "The CPU mixed-dtype AdamW kernel could not be built (%s); the exact optimizers "
