@@ -45,6 +45,8 @@ def test_model_and_optimizer_state_reshard_bitwise(base, key):
     assert ckpt_io.master_keys(source)
     # RNG states are per rank and are restored only on the same world size
     assert ckpt_io.differences(source, reloaded, rng=False) == []
+    # ... and installed by copying into the live shards, not through DCP's set_*_state_dict
+    assert campaign(base)["loads"][key]["dcp_installs"] == []
 
 
 @pytest.mark.parametrize("key", WEIGHTS_ONLY)

@@ -40,8 +40,8 @@ from veoptim.checkpoint.faults import FaultHook, fire
 from veoptim.checkpoint.inventory import compare_inventory, prefixed, saved_inventory
 from veoptim.checkpoint.manifest import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
-from veoptim.checkpoint.raw_reader import prefetch_shards
 from veoptim.checkpoint.raw_writer import RawFileSystemWriter
+from veoptim.checkpoint.readahead import ShardPrefetch
 from veoptim.checkpoint.resolve import latest_complete, resolve_agreed
 from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 from veoptim.checkpoint.validate import check_components, check_info, read_json
@@ -266,7 +266,13 @@ class Checkpointer:
         otherwise it may hold more, which are left unread (e.g. weights only).
         """
         self.wait()
-        prefetch_shards(path / C.DCP_DIR, rank(self.group))  # the disk reads while we validate
+        prefetch = ShardPrefetch(path / C.DCP_DIR, rank(self.group))  # reads while we validate
+        try:
+            return self._load(components, path, exact)
+        finally:
+            prefetch.stop()
+
+    def _load(self, components: Components, path: Path, exact: bool) -> int:
         staged: dict[str, Staged] = {}
         step, metadata = 0, None
         outcome: bool | BaseException = True

@@ -9,12 +9,15 @@ is already clean, makes the filesystem flush the device's write cache (ext4 send
 flush for each), and the block layer merges flushes that are pending at the same time.
 Measured on the development VM: 8 small files fsynced one after another took 24-26 ms,
 the same 8 concurrently 0.5-1 ms. Each path is still fsynced; only the waiting overlaps.
+The threads are kept between batches: starting a fresh pool of six for a publication's
+manifest and directories cost 0.6-0.9 ms, more than the six fsyncs themselves (0.3 ms).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +25,27 @@ from pathlib import Path
 _UNSUPPORTED_DIR_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EBADF)
 #: Most fsyncs in flight at once.
 MAX_CONCURRENT_FSYNCS = 16
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    """The process's fsync threads (started on first use, idle between batches)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_CONCURRENT_FSYNCS, thread_name_prefix="veoptim-fsync")
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child the parent's threads do not exist: start a pool of its own."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def fsync_file(path: Path | str) -> None:
@@ -52,10 +76,12 @@ def fsync_all(files: Iterable[Path | str] = (), dirs: Iterable[Path | str] = ())
         for flush, path in jobs:
             flush(path)
         return
-    with ThreadPoolExecutor(min(len(jobs), MAX_CONCURRENT_FSYNCS)) as pool:
-        futures = [pool.submit(flush, path) for flush, path in jobs]
-    for future in futures:
-        future.result()
+    pool = _fsync_pool()
+    futures = [pool.submit(flush, path) for flush, path in jobs]
+    errors = [future.exception() for future in futures]  # waits for every one
+    for error in errors:
+        if error is not None:
+            raise error
 
 
 def tree(path: Path) -> tuple[list[str], list[str]]:

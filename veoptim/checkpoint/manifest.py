@@ -83,7 +83,7 @@ class Manifest:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_READ_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -95,26 +95,37 @@ def _check_relpath(rel: str, where: Path) -> None:
         raise CheckpointError(f"Manifest {where} lists an unsafe file path {rel!r}.")
 
 
-def scan_files(version: Path) -> dict[str, int]:
-    """Relative POSIX path -> size of every regular file under ``version`` (manifest excluded).
+def scan_tree(version: Path) -> tuple[dict[str, int], list[str]]:
+    """Relative POSIX path -> size of every regular file under ``version`` (manifest
+    excluded), and every directory (``version`` first), in one walk.
 
     A symlink or special file inside a version is an error: a version must be self-contained.
     """
     found: dict[str, int] = {}
-    for dirpath, dirnames, filenames in os.walk(version):
-        for entry in dirnames + filenames:
-            full = Path(dirpath, entry)
-            st = full.lstat()
-            if os.path.islink(full) or not (full.is_dir() or full.is_file()):
-                raise CheckpointError(
-                    f"Checkpoint version {version} must hold only regular files and "
-                    f"directories, found {full}."
-                )
-            if entry in filenames:
-                rel = full.relative_to(version).as_posix()
-                if rel not in _IGNORED:
-                    found[rel] = st.st_size
-    return found
+    dirs: list[str] = []
+    pending = [(str(version), "")]
+    while pending:
+        directory, prefix = pending.pop()
+        dirs.append(directory)
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((entry.path, rel + "/"))
+                elif entry.is_file(follow_symlinks=False):
+                    if rel not in _IGNORED:
+                        found[rel] = entry.stat(follow_symlinks=False).st_size
+                else:
+                    raise CheckpointError(
+                        f"Checkpoint version {version} must hold only regular files and "
+                        f"directories, found {entry.path}."
+                    )
+    return found, dirs
+
+
+def scan_files(version: Path) -> dict[str, int]:
+    """The files of :func:`scan_tree`."""
+    return scan_tree(version)[0]
 
 
 def build_manifest(
@@ -125,19 +136,21 @@ def build_manifest(
     step: int | None,
     world_size: int,
     prunable: bool = True,
+    files: dict[str, int] | None = None,
 ) -> Manifest:
-    """Describe every file now in ``version`` (sizes; SHA-256 of small files)."""
-    files = {}
-    for rel, size in sorted(scan_files(version).items()):
+    """Describe every file now in ``version`` (sizes; SHA-256 of small files). ``files``:
+    its :func:`scan_tree` files when the caller just scanned it."""
+    entries = {}
+    for rel, size in sorted((scan_files(version) if files is None else files).items()):
         digest = _sha256(version / rel) if size <= CHECKSUM_MAX_BYTES else None
-        files[rel] = FileEntry(size=size, sha256=digest)
+        entries[rel] = FileEntry(size=size, sha256=digest)
     return Manifest(
         name=name,
         kind=kind,
         step=step,
         created_ns=time.time_ns(),
         world_size=world_size,
-        files=files,
+        files=entries,
         prunable=prunable,
     )
 

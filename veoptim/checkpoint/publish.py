@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from veoptim.checkpoint.durable import fsync_all, fsync_dir, fsync_tree, tree
+from veoptim.checkpoint.durable import fsync_all, fsync_dir, fsync_tree
 from veoptim.checkpoint.faults import (
     PHASE_AFTER_MANIFEST,
     PHASE_AFTER_REPLACE,
@@ -64,7 +64,13 @@ from veoptim.checkpoint.layout import (
     version_dir,
     versions_dir,
 )
-from veoptim.checkpoint.manifest import KIND_CHECKPOINT, Manifest, build_manifest, write_manifest
+from veoptim.checkpoint.manifest import (
+    KIND_CHECKPOINT,
+    Manifest,
+    build_manifest,
+    scan_tree,
+    write_manifest,
+)
 from veoptim.checkpoint.resolve import read_link
 from veoptim.checkpoint.retention import collect_garbage, prune_names, remove_version
 from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank, world_size
@@ -79,19 +85,24 @@ _IN_FLIGHT: dict[str, set[str]] = {}
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
-def _register(root: Path, entry: str) -> None:
+def _root_key(root: Path) -> str:
+    """The registry's key for ``root``: its real path (one root, however it is spelled)."""
+    return str(Path(root).resolve())
+
+
+def _register(key: str, entry: str) -> None:
     with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT.setdefault(str(Path(root).resolve()), set()).add(entry)
+        _IN_FLIGHT.setdefault(key, set()).add(entry)
 
 
-def _unregister(root: Path, entry: str) -> None:
+def _unregister(key: str, entry: str) -> None:
     with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT.get(str(Path(root).resolve()), set()).discard(entry)
+        _IN_FLIGHT.get(key, set()).discard(entry)
 
 
-def _in_flight(root: Path) -> set[str]:
+def _in_flight(key: str) -> set[str]:
     with _IN_FLIGHT_LOCK:
-        return set(_IN_FLIGHT.get(str(Path(root).resolve()), ()))
+        return set(_IN_FLIGHT.get(key, ()))
 
 
 def _refuse_legacy(link: Path) -> None:
@@ -185,6 +196,7 @@ class PendingVersion:
         self.name = name
         self.kind, self.step, self.prunable = kind, step, prunable
         self.version_id = ""  # set by _begin(), on every rank
+        self._key = _root_key(self.root)  # resolved once: each resolve is a walk of lstats
         self._finished = False
 
     @property
@@ -221,15 +233,15 @@ class PendingVersion:
         )
 
         def publish() -> Published:  # rank 0
-            manifest = self._write_manifest()
-            self._flush()
+            manifest, dirs = self._write_manifest()
+            self._flush(dirs)
             previous = self._point()
             return Published(self.name, self.path.resolve(), manifest, previous=previous)
 
         published = self._agreed(f"{what} publish of {self.path}", publish, rank0_only=True)
         published = broadcast_from_rank0(published, pub.group)
         if pub.is_rank0:
-            _unregister(self.root, self.version_id)
+            _unregister(self._key, self.version_id)
             self._retain(published)
         return published
 
@@ -260,15 +272,15 @@ class PendingVersion:
                 fsync_dir(self.root)  # .versions must outlive a power loss before any name
         _refuse_legacy(link_path(self.root, self.name))
         try:
-            collect_garbage(self.root, protected=_in_flight(self.root))
+            collect_garbage(self.root, protected=_in_flight(self._key))
         except Exception as exc:  # cleanup never fails a save
             log.warning("Checkpoint cleanup in %s failed (ignored): %s", self.root, exc)
         version_id = new_version_id(self.name)
-        _register(self.root, version_id)
+        _register(self._key, version_id)
         try:
             version_dir(self.root, version_id).mkdir()
         except BaseException:
-            _unregister(self.root, version_id)
+            _unregister(self._key, version_id)
             raise
         self.version_id = version_id
 
@@ -279,10 +291,12 @@ class PendingVersion:
         if self.publisher.fsync and not files_flushed:
             fsync_tree(self.path, files=True, dirs=False)
 
-    def _write_manifest(self) -> Manifest:
-        """Rank 0: the manifest, last, describing every file all ranks wrote."""
+    def _write_manifest(self) -> tuple[Manifest, list[str]]:
+        """Rank 0: the manifest, last, describing every file all ranks wrote; returns it and
+        the version's directories."""
         pub = self.publisher
         fire(pub.fault_hook, PHASE_BEFORE_MANIFEST)
+        files, dirs = scan_tree(self.path)
         manifest = build_manifest(
             self.path,
             name=self.name,
@@ -290,17 +304,17 @@ class PendingVersion:
             step=self.step,
             world_size=world_size(pub.group),
             prunable=self.prunable,
+            files=files,
         )
         write_manifest(self.path, manifest)  # flushed by _flush, with the directories
-        return manifest
+        return manifest, dirs
 
-    def _flush(self) -> None:
-        """Rank 0: the manifest and every directory entry of the version are durable before
-        the name moves (one concurrent batch: the flushes merge)."""
+    def _flush(self, dirs: list[str]) -> None:
+        """Rank 0: the manifest and every directory entry of the version (``dirs``) are
+        durable before the name moves (one concurrent batch: the flushes merge)."""
         pub = self.publisher
         if pub.fsync:  # the manifest, every directory, the version's entry in .versions
-            dirs = [*tree(self.path)[1], versions_dir(self.root)]
-            fsync_all(files=[manifest_path(self.path)], dirs=dirs)
+            fsync_all(files=[manifest_path(self.path)], dirs=[*dirs, versions_dir(self.root)])
         fire(pub.fault_hook, PHASE_AFTER_MANIFEST)
 
     def _point(self) -> str | None:
@@ -315,7 +329,7 @@ class PendingVersion:
         except CheckpointError:
             previous = None  # a malformed link is replaced like any other
         tmp = temp_link_path(self.root, self.name, uuid.uuid4().hex[:16])
-        _register(self.root, tmp.name)
+        _register(self._key, tmp.name)
         try:
             os.symlink(link_target(self.version_id), tmp)
             fire(pub.fault_hook, PHASE_BEFORE_REPLACE)
@@ -325,7 +339,7 @@ class PendingVersion:
                 tmp.unlink()
             raise
         finally:
-            _unregister(self.root, tmp.name)
+            _unregister(self._key, tmp.name)
         try:
             fire(pub.fault_hook, PHASE_AFTER_REPLACE)
             if pub.fsync:
@@ -349,18 +363,22 @@ class PendingVersion:
             log.error(msg, link, cause, exc)
 
     def _retain(self, published: Published) -> None:
-        """Rank 0, best-effort: prune beyond ``keep_last``, then collect garbage. The version
-        the name moved away from stays until the next save: readers may still be in it."""
+        """Rank 0, best-effort: prune beyond ``keep_last``, then collect what that pruning
+        left unreferenced (this save's prepare already collected all earlier debris). The
+        version the name moved away from stays until the next save: readers may still be
+        in it."""
         pub = self.publisher
         try:
-            prune_names(
+            pruned = prune_names(
                 self.root,
                 keep_last=pub.keep_last,
                 kind=self.kind,
                 keep_name=self.name,
                 fault_hook=pub.fault_hook,
             )
-            protected = _in_flight(self.root)
+            if not pruned:  # prepare collected everything else this save could leave
+                return
+            protected = _in_flight(self._key)
             if published.previous is not None:
                 protected.add(published.previous)
             collect_garbage(self.root, protected=protected, fault_hook=pub.fault_hook)
@@ -409,7 +427,7 @@ class PendingVersion:
         except (OSError, CheckpointError) as exc:
             log.warning("Could not remove unpublished checkpoint %s: %s", self.path, exc)
         finally:
-            _unregister(self.root, self.version_id)
+            _unregister(self._key, self.version_id)
 
 
 __all__ = ["PHASES", "PendingVersion", "Published", "Publisher"]

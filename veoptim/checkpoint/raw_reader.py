@@ -195,38 +195,3 @@ def read_raw_items(
     with ThreadPoolExecutor(min(READ_STREAMS, len(jobs)), thread_name_prefix="veoptim-raw") as pool:
         for future in [pool.submit(_execute, path, steps, planner) for path, steps in jobs]:
             future.result()
-
-
-def prefetch_shards(dcp_dir: Path, rank: int) -> int:
-    """Start the disk on this rank's shard files (``__<rank>_*``); returns how many.
-
-    A load first validates the checkpoint and plans its reads (tens of milliseconds of
-    CPU work for a model of a few hundred tensors). ``POSIX_FADV_WILLNEED`` asks the
-    kernel to read the files ahead asynchronously, so the disk works meanwhile. Only a
-    hint: nothing is read into the process, a missing or odd file is left for the
-    validation to report, and symbolic links are not followed.
-    """
-    if not hasattr(os, "posix_fadvise"):
-        return 0
-    try:
-        paths = [
-            e.path
-            for e in os.scandir(dcp_dir)
-            if e.name.startswith(f"__{rank}_") and e.is_file(follow_symlinks=False)
-        ]
-    except OSError:
-        return 0
-    advised = 0
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            advised += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return advised

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
 from veoptim.errors import CheckpointError
-from veoptim.state.model import module_inventory
+from veoptim.state.model import copy_installer, module_inventory
 
 BASE = "base"
 ADAPTERS_ONLY = StateDictOptions(ignore_frozen_params=True)
@@ -100,7 +100,8 @@ class LoRAModelState:
         live = get_model_state_dict(self.model, options=ADAPTERS_ONLY)
         buffers = {fqn: torch.empty_like(t) for fqn, t in live.items()}
 
-        def install() -> None:
+        def install_through_dcp() -> None:
             set_model_state_dict(self.model, buffers, options=StateDictOptions(strict=False))
 
+        install = copy_installer(self.model, live, buffers) or install_through_dcp
         return Staged(expected=module_inventory(live), buffers=buffers, install=install)

@@ -12,6 +12,8 @@ error and whether the live state stayed bitwise unchanged.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,13 +104,43 @@ def _load(ctx: Any, job: LoadJob) -> dict[str, Any]:
     before = full_state(trainer)
     progress_before = trainer.progress.state_dict()
     try:
-        trainer.load_checkpoint(job.ref, load_optimizer=job.load_optimizer)
+        with counting_dcp_installs() as dcp_installs:
+            trainer.load_checkpoint(job.ref, load_optimizer=job.load_optimizer)
     except CheckpointError as error:
         unchanged = same_state(before, full_state(trainer))
         unchanged = unchanged and progress_before == trainer.progress.state_dict()
         return {"error": str(error), "unchanged": unchanged}
     trainer.save_checkpoint(RELOADED)
-    return {"error": None, "step": trainer.progress.global_step}
+    return {"error": None, "step": trainer.progress.global_step, "dcp_installs": dcp_installs}
+
+
+@contextmanager
+def counting_dcp_installs() -> Iterator[list[str]]:
+    """Records each install that went through DCP's ``set_*_state_dict`` (the real ones
+    run): a load whose model and optimizer are installed directly records none."""
+    import veoptim.lora.state as lora_state
+    import veoptim.state.model as model_state
+    import veoptim.state.optimizer as optimizer_state
+
+    calls: list[str] = []
+    patched = [(model_state, "set_model_state_dict"), (lora_state, "set_model_state_dict"),
+               (optimizer_state, "set_optimizer_state_dict")]  # fmt: skip
+    originals = [getattr(module, name) for module, name in patched]
+
+    def spy(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    for (module, name), real in zip(patched, originals, strict=True):
+        setattr(module, name, spy(name, real))
+    try:
+        yield calls
+    finally:
+        for (module, name), real in zip(patched, originals, strict=True):
+            setattr(module, name, real)
 
 
 def run_jobs(ctx: Any, out: Path, jobs: list[SftJob | LoadJob]) -> dict[str, Any]:

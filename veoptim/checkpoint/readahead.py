@@ -1,0 +1,83 @@
+"""Reading a rank's shard files into the page cache while the load validates.
+
+A load first validates the checkpoint and plans its reads: tens of milliseconds of CPU
+work for a model of a few hundred tensors, during which the disk would sit idle. So a
+background thread starts reading this rank's shard files (``__<rank>_*``) at once,
+sequentially, a few MiB at a time into one scratch buffer it discards: the bytes land in
+the page cache, where the load's own reads into the staging tensors find them. The files
+are read round-robin, a chunk of each in turn, because the load reads them in parallel,
+each from its start.
+
+Why real reads and not a hint: ``POSIX_FADV_WILLNEED`` reads at most one read-ahead
+window per call (8 MiB on the development VM, whatever the range asked for), and even
+advised window by window, the whole files took about 20 % longer to arrive than with
+plain sequential reads (92 vs 76 ms for 97 MB, medians of 12). Real reads cost one extra
+copy out of the page cache, made with the GIL released, and ended a load that spent
+20 ms validating first 15-20 ms sooner.
+
+Nothing read here reaches the process's state: what validation refuses stays refused,
+a missing or odd file is left for the validation to report, and symbolic links are not
+followed. ``stop`` ends the reading early (the load finished or failed).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+#: Bytes read from each file per turn (the kernel's own read-ahead keeps the disk busy).
+CHUNK = 4 << 20
+
+
+class ShardPrefetch:
+    """Reads ``dcp_dir``'s files of ``rank`` into the page cache, in a daemon thread
+    started at construction."""
+
+    def __init__(self, dcp_dir: Path, rank: int) -> None:
+        self._stop = threading.Event()
+        self.paths = _shard_files(Path(dcp_dir), rank) if hasattr(os, "preadv") else []
+        self._thread = threading.Thread(target=self._run, name="veoptim-readahead", daemon=True)
+        if self.paths:
+            self._thread.start()
+
+    @property
+    def files(self) -> int:
+        return len(self.paths)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        opened: list[int] = []
+        try:
+            for path in self.paths:
+                try:
+                    opened.append(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)))
+                except OSError:
+                    continue
+            scratch = memoryview(bytearray(CHUNK))
+            offset, reading = 0, list(opened)
+            while reading and not self._stop.is_set():
+                reading = [fd for fd in reading if os.preadv(fd, [scratch], offset) == CHUNK]
+                offset += CHUNK
+        except OSError:
+            pass  # only ahead of time: the load's own reads report real problems
+        finally:
+            for fd in opened:
+                os.close(fd)
+
+
+def _shard_files(dcp_dir: Path, rank: int) -> list[str]:
+    try:
+        return sorted(
+            e.path
+            for e in os.scandir(dcp_dir)
+            if e.name.startswith(f"__{rank}_") and e.is_file(follow_symlinks=False)
+        )
+    except OSError:
+        return []
