@@ -1,8 +1,8 @@
 """A load starts reading its rank's shard files into the page cache before validating.
 
 Checked with real files and the real page cache: after eviction, ``ShardPrefetch`` makes
-this rank's files resident (``fincore``) in full, also files many times longer than the
-kernel's read-ahead window (what one ``POSIX_FADV_WILLNEED`` call covers: the negative
+this rank's files resident (``fincore``) in full up to its budget, also files many times
+longer than the kernel's read-ahead window (what one ``POSIX_FADV_WILLNEED`` call covers: the negative
 control shows such a hint leaving most of a file unread), and leaves other ranks' files
 and symbolic links alone. Nothing is read into the process's state, so it cannot change
 what validation sees.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from veoptim.checkpoint.readahead import CHUNK, ShardPrefetch
+from veoptim.checkpoint.readahead import BUDGET, CHUNK, ShardPrefetch
 
 pytestmark = pytest.mark.skipif(
     shutil.which("fincore") is None or not hasattr(os, "posix_fadvise"),
@@ -64,6 +64,15 @@ def test_this_ranks_files_are_read_in_full(tmp_path):
     prefetch.join(timeout=60)
     assert [resident(p) for p in mine] == [page_rounded(SIZE), page_rounded(1000)]
     assert resident(other) == 0 and resident(outside) == 0
+
+
+def test_no_more_than_the_budget_is_read_ahead(tmp_path):
+    path = write_evicted(tmp_path / "__0_0.raw", BUDGET + 8 * CHUNK)
+    if resident(path):
+        pytest.skip("this file system keeps evicted pages (tmpfs?)")
+    ShardPrefetch(tmp_path, rank=0).join(timeout=60)
+    # the budget, and at most one read-ahead window the kernel started beyond it
+    assert BUDGET <= resident(path) < BUDGET + 8 * CHUNK
 
 
 def test_negative_control_one_willneed_hint_leaves_most_of_a_long_file_unread(tmp_path):
