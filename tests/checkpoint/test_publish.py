@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ import pytest
 from tests.checkpoint.helpers.payload import check_payload, write_payload
 from veoptim.checkpoint import layout
 from veoptim.checkpoint.faults import PHASE_RETENTION
-from veoptim.checkpoint.manifest import CHECKSUM_MAX_BYTES, read_manifest
+from veoptim.checkpoint.manifest import CHECKSUM_MAX_BYTES, read_manifest, verify
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.resolve import (
     is_within,
@@ -77,6 +78,21 @@ def test_large_files_get_size_only(tmp_path: Path) -> None:
             f.truncate(CHECKSUM_MAX_BYTES + 1)  # sparse: no real I/O
     entry = read_manifest(resolve(tmp_path, "big")).files["big.bin"]
     assert entry.size == CHECKSUM_MAX_BYTES + 1 and entry.sha256 is None
+
+
+def test_checksums_of_files_noted_as_written_come_from_their_bytes(tmp_path: Path) -> None:
+    pending = Publisher(tmp_path, fsync=False).begin("noted")
+    for name in ("a.json", "b.json"):
+        (pending.path / name).write_bytes(b'{"a": 1}')
+    pending.note_written({pending.path / "a.json": b'{"a": 1}', pending.path / "b.json": b"other"})
+    path = pending.commit().path
+    manifest = read_manifest(path)
+    assert manifest.files["a.json"].sha256 == hashlib.sha256(b'{"a": 1}').hexdigest()
+    # negative control: the noted bytes, not the file read back, give the checksum, and a
+    # note that does not match the file makes the version fail verification
+    assert manifest.files["b.json"].sha256 == hashlib.sha256(b"other").hexdigest()
+    with pytest.raises(CheckpointError, match="b.json does not match its sha256"):
+        verify(path, manifest)
 
 
 def test_republishing_a_name_moves_it_and_keeps_the_old_version_for_readers(

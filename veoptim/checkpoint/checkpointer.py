@@ -141,8 +141,9 @@ class Checkpointer:
 
         def write_json() -> None:
             written = self._write_json(states, pending.path, step, dict(layout or {}), weights_only)
+            pending.note_written(written)
             if self.fsync:
-                fsync_all(written)
+                fsync_all(list(written))
 
         states = pending.run("gathering state", gather)
         writer = pending.run("creating the writer", make_writer)
@@ -202,11 +203,11 @@ class Checkpointer:
         step: int,
         layout: dict[str, Any],
         weights_only: bool,
-    ) -> list[Path]:
+    ) -> dict[Path, bytes]:
         """Each component's JSON (rank 0 the shared ones, every rank its own), then, on rank 0,
-        ``checkpoint.json`` describing them; returns the files written."""
+        ``checkpoint.json`` describing them; returns the files written and their bytes."""
         me = rank(self.group)
-        written: list[Path] = []
+        written: dict[Path, bytes] = {}
         entries: dict[str, dict[str, Any]] = {}
         for name, state in states.items():
             scope = None
@@ -219,8 +220,8 @@ class Checkpointer:
                 )
                 if state.json_per_rank or me == 0:
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_text(json.dumps(state.json, indent=1))
-                    written.append(target)
+                    written[target] = json.dumps(state.json, indent=1).encode()
+                    target.write_bytes(written[target])
             entries[name] = {C.COMPONENT_TENSORS: bool(state.tensors), C.COMPONENT_JSON: scope}
         if me != 0:
             return written
@@ -233,8 +234,9 @@ class Checkpointer:
             C.INFO_WEIGHTS_ONLY: weights_only,
             C.INFO_COMPONENTS: entries,
         }
-        (path / C.INFO_FILE).write_text(json.dumps(info, indent=1))
-        return [*written, path / C.INFO_FILE]
+        written[path / C.INFO_FILE] = json.dumps(info, indent=1).encode()
+        (path / C.INFO_FILE).write_bytes(written[path / C.INFO_FILE])
+        return written
 
     # ------------------------------------------------------------------ load
     def latest(self) -> str | None:

@@ -1,7 +1,8 @@
 """The manifest: the last file of a version, listing every other file with its size.
 
 Checksums: files up to ``CHECKSUM_MAX_BYTES`` get a SHA-256 (metadata, JSON state,
-scheduler/RNG files, small adapters: reading them back costs nothing measurable). Larger
+scheduler/RNG files, small adapters), read back, or taken from the bytes the writer
+noted it wrote (``PendingVersion.note_written``: the checkpointer's JSON files). Larger
 files (multi-GB DCP shards, safetensors) get their size only: hashing them would re-read
 every byte the save just wrote and roughly double the save's I/O time, while their
 integrity inside is covered by the loader's validation (DCP metadata, tensor shapes). The
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -137,12 +139,17 @@ def build_manifest(
     world_size: int,
     prunable: bool = True,
     files: dict[str, int] | None = None,
+    known_sha256: Mapping[str, str] | None = None,
 ) -> Manifest:
     """Describe every file now in ``version`` (sizes; SHA-256 of small files). ``files``:
-    its :func:`scan_tree` files when the caller just scanned it."""
+    its :func:`scan_tree` files when the caller just scanned it; ``known_sha256``: the
+    SHA-256 of files whose bytes the caller wrote itself (not read back)."""
+    known = known_sha256 or {}
     entries = {}
     for rel, size in sorted((scan_files(version) if files is None else files).items()):
-        digest = _sha256(version / rel) if size <= CHECKSUM_MAX_BYTES else None
+        digest = None
+        if size <= CHECKSUM_MAX_BYTES:
+            digest = known[rel] if rel in known else _sha256(version / rel)
         entries[rel] = FileEntry(size=size, sha256=digest)
     return Manifest(
         name=name,

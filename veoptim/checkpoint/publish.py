@@ -32,11 +32,12 @@ tests inject faults.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +198,7 @@ class PendingVersion:
         self.kind, self.step, self.prunable = kind, step, prunable
         self.version_id = ""  # set by _begin(), on every rank
         self._key = _root_key(self.root)  # resolved once: each resolve is a walk of lstats
+        self._written_sha256: dict[str, str] = {}
         self._finished = False
 
     @property
@@ -255,6 +257,13 @@ class PendingVersion:
             self._finished = True
             raise
 
+    def note_written(self, files: Mapping[Path, bytes]) -> None:
+        """This rank wrote exactly these bytes to these files of the version: on rank 0 the
+        manifest takes their checksums from them instead of reading the files back."""
+        for path, data in files.items():
+            rel = Path(path).relative_to(self.path).as_posix()
+            self._written_sha256[rel] = hashlib.sha256(data).hexdigest()
+
     def commit(self) -> Published:
         return self.finish(None)
 
@@ -305,6 +314,7 @@ class PendingVersion:
             world_size=world_size(pub.group),
             prunable=self.prunable,
             files=files,
+            known_sha256=self._written_sha256,
         )
         write_manifest(self.path, manifest)  # flushed by _flush, with the directories
         return manifest, dirs
