@@ -53,6 +53,7 @@ CFLAGS = (
 PARALLEL_MIN_NUMEL = 1 << 16
 _OUT_KINDS = {None: 0, torch.bfloat16: 1, torch.float32: 2}
 _NARROW = (torch.float32, torch.bfloat16)
+_WIDE = (torch.float32,)
 
 
 class _Hyper(ctypes.Structure):
@@ -177,16 +178,14 @@ class NativeKernel:
         all contiguous, and on the CPU unless ``on_cpu`` is False (an offloaded batch,
         whose device gradients are staged to the host chunk by chunk)."""
         for tensors, dtypes in (
-            (batch.masters, (torch.float32,)),
+            (batch.masters, _WIDE),
             (batch.grads, _NARROW),
             (batch.exp_avgs, _NARROW),
             (batch.exp_avg_sqs, _NARROW),
             ([o for o in batch.outs if o is not None], _NARROW),
         ):
             for t in tensors:
-                if t.dtype not in dtypes or not t.is_contiguous():
-                    return False
-                if on_cpu and t.device.type != "cpu":
+                if t.dtype not in dtypes or not t.is_contiguous() or (on_cpu and not t.is_cpu):
                     return False
         pairs = zip(batch.exp_avgs, batch.exp_avg_sqs, strict=True)
         return all(m.dtype == v.dtype for m, v in pairs)
