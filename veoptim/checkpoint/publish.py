@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -55,6 +54,7 @@ from veoptim.checkpoint.faults import (
     FaultHook,
     fire,
 )
+from veoptim.checkpoint.in_flight import in_flight, register, root_key, unregister
 from veoptim.checkpoint.layout import (
     link_path,
     link_target,
@@ -79,31 +79,6 @@ from veoptim.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# Entries (version ids, temporary link names) of saves in flight in this process, per real
-# root path: cleanup by another Publisher on the same root must not delete them.
-_IN_FLIGHT: dict[str, set[str]] = {}
-_IN_FLIGHT_LOCK = threading.Lock()
-
-
-def _root_key(root: Path) -> str:
-    """The registry's key for ``root``: its real path (one root, however it is spelled)."""
-    return str(Path(root).resolve())
-
-
-def _register(key: str, entry: str) -> None:
-    with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT.setdefault(key, set()).add(entry)
-
-
-def _unregister(key: str, entry: str) -> None:
-    with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT.get(key, set()).discard(entry)
-
-
-def _in_flight(key: str) -> set[str]:
-    with _IN_FLIGHT_LOCK:
-        return set(_IN_FLIGHT.get(key, ()))
 
 
 def _refuse_legacy(link: Path) -> None:
@@ -197,7 +172,7 @@ class PendingVersion:
         self.name = name
         self.kind, self.step, self.prunable = kind, step, prunable
         self.version_id = ""  # set by _begin(), on every rank
-        self._key = _root_key(self.root)  # resolved once: each resolve is a walk of lstats
+        self._key = root_key(self.root)
         self._written_sha256: dict[str, str] = {}
         self._finished = False
 
@@ -243,7 +218,7 @@ class PendingVersion:
         published = self._agreed(f"{what} publish of {self.path}", publish, rank0_only=True)
         published = broadcast_from_rank0(published, pub.group)
         if pub.is_rank0:
-            _unregister(self._key, self.version_id)
+            unregister(self._key, self.version_id)
             self._retain(published)
         return published
 
@@ -281,15 +256,15 @@ class PendingVersion:
                 fsync_dir(self.root)  # .versions must outlive a power loss before any name
         _refuse_legacy(link_path(self.root, self.name))
         try:
-            collect_garbage(self.root, protected=_in_flight(self._key))
+            collect_garbage(self.root, protected=in_flight(self._key))
         except Exception as exc:  # cleanup never fails a save
             log.warning("Checkpoint cleanup in %s failed (ignored): %s", self.root, exc)
         version_id = new_version_id(self.name)
-        _register(self._key, version_id)
+        register(self._key, version_id)
         try:
             version_dir(self.root, version_id).mkdir()
         except BaseException:
-            _unregister(self._key, version_id)
+            unregister(self._key, version_id)
             raise
         self.version_id = version_id
 
@@ -339,7 +314,7 @@ class PendingVersion:
         except CheckpointError:
             previous = None  # a malformed link is replaced like any other
         tmp = temp_link_path(self.root, self.name, uuid.uuid4().hex[:16])
-        _register(self._key, tmp.name)
+        register(self._key, tmp.name)
         try:
             os.symlink(link_target(self.version_id), tmp)
             fire(pub.fault_hook, PHASE_BEFORE_REPLACE)
@@ -349,7 +324,7 @@ class PendingVersion:
                 tmp.unlink()
             raise
         finally:
-            _unregister(self._key, tmp.name)
+            unregister(self._key, tmp.name)
         try:
             fire(pub.fault_hook, PHASE_AFTER_REPLACE)
             if pub.fsync:
@@ -388,7 +363,7 @@ class PendingVersion:
             )
             if not pruned:  # prepare collected everything else this save could leave
                 return
-            protected = _in_flight(self._key)
+            protected = in_flight(self._key)
             if published.previous is not None:
                 protected.add(published.previous)
             collect_garbage(self.root, protected=protected, fault_hook=pub.fault_hook)
@@ -437,7 +412,7 @@ class PendingVersion:
         except (OSError, CheckpointError) as exc:
             log.warning("Could not remove unpublished checkpoint %s: %s", self.path, exc)
         finally:
-            _unregister(self._key, self.version_id)
+            unregister(self._key, self.version_id)
 
 
 __all__ = ["PHASES", "PendingVersion", "Published", "Publisher"]
