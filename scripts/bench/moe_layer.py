@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from veoptim.distributed.context import import_group_capturing_modules, release_process_groups
 from veoptim.distributed.expert_parallel import TokenDispatcher
 from veoptim.models.experts import ExpertParallelExperts
 
@@ -84,6 +85,11 @@ def measure(args: argparse.Namespace, num_experts: int, mesh) -> dict[str, objec
     return result
 
 
+def measure_all(args: argparse.Namespace) -> dict[str, dict]:
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    return {str(n): measure(args, n, mesh) for n in args.experts}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -97,12 +103,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
+    import_group_capturing_modules()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-        experts = {str(n): measure(args, n, mesh) for n in args.experts}
+        experts = measure_all(args)
     finally:
-        dist.destroy_process_group()
+        release_process_groups()  # after measure_all's mesh is gone, so its threads join
     print(
         json.dumps(
             {

@@ -6,18 +6,25 @@ checks and returns their measurements; the test functions then assert on them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from veoptim.distributed import DistContext, init_distributed
+from veoptim.distributed import init_distributed
+from veoptim.distributed.context import (
+    import_group_capturing_modules,
+    live_process_group_threads,
+    release_frames,
+    release_process_groups,
+)
 
 RESULT_FILE = "result.rank{rank}.json"
 ERROR_FILE = "error.rank{rank}.txt"
@@ -40,21 +47,60 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
+@contextlib.contextmanager
+def own_process_group(
+    rank: int, world_size: int, init_method: str, **kwargs: Any
+) -> Iterator[None]:
+    """A gloo default group for a worker that sets one up itself, released on the way out.
+
+    Put the worker's checks in a function called inside the block: its locals (models, device
+    meshes) hold the groups, and only once it has returned can :func:`release_process_groups`
+    join their threads. A group whose threads outlive that fails the worker, as
+    :func:`run_ranks` does, since such a thread can abort the process at exit.
+    """
+    import torch.distributed as dist
+
+    import_group_capturing_modules()
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world_size, **kwargs
+    )
+    try:
+        yield
+    except BaseException as exc:
+        release_frames(exc)
+        release_process_groups()
+        raise
+    alive = release_process_groups()
+    if alive:
+        raise AssertionError(f"process-group threads alive after release: {alive}")
+
+
 def _worker(
     rank: int, world_size: int, port: int, fn: Callable[..., dict], out: str, args: tuple
 ) -> None:
     torch.set_num_threads(1)
-    ctx: DistContext | None = None
     try:
-        ctx = init_distributed("cpu", "gloo", rank_env(rank, world_size, port))
-        result = fn(ctx, Path(out), *args)
-        Path(out, RESULT_FILE.format(rank=rank)).write_text(json.dumps(result))
+        with init_distributed("cpu", "gloo", rank_env(rank, world_size, port)) as ctx:
+            result = fn(ctx, Path(out), *args)
+            Path(out, RESULT_FILE.format(rank=rank)).write_text(json.dumps(result))
+            del result
     except BaseException:
-        Path(out, ERROR_FILE.format(rank=rank)).write_text(traceback.format_exc())
+        Path(out, ERROR_FILE.format(rank=rank)).write_text(traceback.format_exc() + _leak_note())
         raise
-    finally:
-        if ctx is not None:
-            ctx.close()
+    note = _leak_note()
+    if note:
+        Path(out, ERROR_FILE.format(rank=rank)).write_text(note)
+        raise AssertionError(note)
+
+
+def _leak_note() -> str:
+    """What is wrong if process-group threads outlived the context's close, else ''.
+
+    close() joins the threads of every group nothing holds; one that survives it can abort
+    the interpreter's exit, so a check (or a failure path) that leaks a group fails loudly.
+    """
+    alive = live_process_group_threads()
+    return f"process-group threads alive after close: {alive}" if alive else ""
 
 
 def run_ranks(world_size: int, fn: Callable[..., dict], out: Path, *args: Any) -> dict:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tests.distributed.spawn import own_process_group
 from veoptim.config.schema import OptimConfig
 from veoptim.optim import MASTER_WEIGHT, STEP, build_optimizer, dcp_state_init
 
@@ -139,50 +139,47 @@ def _weights_only_differs(name: str, dtype: str, ckpt: str, rank: int, expected:
 
 def _worker(rank: int, port: int, out: str, phase: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
+    with own_process_group(rank, WORLD, f"tcp://127.0.0.1:{port}"):
+        _run_phase(rank, out, phase)
+
+
+def _run_phase(rank: int, out: str, phase: str) -> None:
     result: dict[str, bool] = {}
-    try:
-        for name, dtype in COMBOS:
-            tag = f"{name}-{dtype}"
-            ckpt = os.path.join(out, tag)
-            if phase == "save":
-                model, opt = _build(name, dtype, seed=0)
-                for step in range(TRAIN_STEPS):
-                    _train_step(model, opt, step, rank)
-                with dcp_state_init(opt):
-                    osd = get_optimizer_state_dict(model, opt)
-                dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=ckpt)
-                _train_step(model, opt, TRAIN_STEPS, rank)
-                torch.save(_local_snapshot(model, opt), f"{ckpt}.rank{rank}.pt")
-                result[tag] = True
-            else:
-                model, opt = _build(
-                    name, dtype, seed=1
-                )  # different init: weights must come from DCP
-                with dcp_state_init(opt):
-                    sd = {
-                        "model": get_model_state_dict(model),
-                        "optim": get_optimizer_state_dict(model, opt),
-                    }
-                dcp.load(sd, checkpoint_id=ckpt)
-                set_model_state_dict(model, sd["model"])
-                with dcp_state_init(opt):
-                    set_optimizer_state_dict(model, opt, sd["optim"])
-                _train_step(model, opt, TRAIN_STEPS, rank)
-                _check_layout(model, opt, name)
-                expected = torch.load(f"{ckpt}.rank{rank}.pt", weights_only=True)
-                got = _local_snapshot(model, opt)
-                assert expected.keys() == got.keys(), tag
-                result[tag] = all(torch.equal(expected[k], got[k]) for k in expected)
-                if tag == NEGATIVE_CONTROL:
-                    result["weights_only_differs"] = _weights_only_differs(
-                        name, dtype, ckpt, rank, expected
-                    )
-        Path(out, f"{phase}.rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    for name, dtype in COMBOS:
+        tag = f"{name}-{dtype}"
+        ckpt = os.path.join(out, tag)
+        if phase == "save":
+            model, opt = _build(name, dtype, seed=0)
+            for step in range(TRAIN_STEPS):
+                _train_step(model, opt, step, rank)
+            with dcp_state_init(opt):
+                osd = get_optimizer_state_dict(model, opt)
+            dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=ckpt)
+            _train_step(model, opt, TRAIN_STEPS, rank)
+            torch.save(_local_snapshot(model, opt), f"{ckpt}.rank{rank}.pt")
+            result[tag] = True
+        else:
+            model, opt = _build(name, dtype, seed=1)  # different init: weights must come from DCP
+            with dcp_state_init(opt):
+                sd = {
+                    "model": get_model_state_dict(model),
+                    "optim": get_optimizer_state_dict(model, opt),
+                }
+            dcp.load(sd, checkpoint_id=ckpt)
+            set_model_state_dict(model, sd["model"])
+            with dcp_state_init(opt):
+                set_optimizer_state_dict(model, opt, sd["optim"])
+            _train_step(model, opt, TRAIN_STEPS, rank)
+            _check_layout(model, opt, name)
+            expected = torch.load(f"{ckpt}.rank{rank}.pt", weights_only=True)
+            got = _local_snapshot(model, opt)
+            assert expected.keys() == got.keys(), tag
+            result[tag] = all(torch.equal(expected[k], got[k]) for k in expected)
+            if tag == NEGATIVE_CONTROL:
+                result["weights_only_differs"] = _weights_only_differs(
+                    name, dtype, ckpt, rank, expected
+                )
+    Path(out, f"{phase}.rank{rank}.json").write_text(json.dumps(result))
 
 
 def _spawn(out: Path, phase: str) -> dict[str, bool]:

@@ -61,19 +61,20 @@ def _hook(phase: str, on_rank: int) -> Callable[[str], None]:
 
 def worker(rank: int, init_file: str, root: str, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    from tests.distributed.spawn import own_process_group
+
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    with own_process_group(rank, WORLD, f"file://{init_file}", timeout=timeout):
+        _scenarios(rank, root, out_dir)
+
+
+def _scenarios(rank: int, root: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from veoptim.checkpoint.publish import Publisher
     from veoptim.checkpoint.resolve import published_names, resolve, resolve_agreed
     from veoptim.distributed.agreement import agree
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S),
-    )
     root_path = Path(root)
     res: dict[str, Any] = {}
 
@@ -128,7 +129,6 @@ def worker(rank: int, init_file: str, root: str, out_dir: str) -> None:
     res["agreed_missing"] = _outcome(lambda: resolve_agreed(root_path, "nope"))
     res["published_first"] = published
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
 
 
 @functools.cache

@@ -31,6 +31,14 @@ def full_tensors() -> dict:
 
 def worker(rank: int, init_file: str, ckpt: str, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    from tests.distributed.spawn import own_process_group
+
+    timeout = datetime.timedelta(seconds=60)
+    with own_process_group(rank, WORLD, f"file://{init_file}", timeout=timeout):
+        _save_and_reshard(rank, ckpt, out_dir)
+
+
+def _save_and_reshard(rank: int, ckpt: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -40,10 +48,6 @@ def worker(rank: int, init_file: str, ckpt: str, out_dir: str) -> None:
     from veoptim.checkpoint.raw_writer import RawFileSystemWriter
     from veoptim.checkpoint.safe_dcp import SafeFileSystemReader
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
     mesh = init_device_mesh("cpu", (WORLD,))
     full = full_tensors()
 
@@ -67,4 +71,3 @@ def worker(rank: int, init_file: str, ckpt: str, out_dir: str) -> None:
         equal[key] = bool(torch.equal(loaded, full[key]) and loaded.dtype == full[key].dtype)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(equal))
     dist.barrier()
-    dist.destroy_process_group()
