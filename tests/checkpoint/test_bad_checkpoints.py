@@ -431,3 +431,23 @@ def test_a_format_1_checkpoint_is_refused_naming_both_versions(live, tmp_path):
             live, root, "step_00000002", "format_version 1", load_optimizer=load_optimizer
         )
         assert "reads format_version 2" in message
+
+
+def test_raw_data_file_one_byte_short_is_refused_before_reading(saved, live):
+    """A shard cut inside its last tensor (the last byte gone, as a copy interrupted at
+    the very end leaves it), not merely halved: refused in validation, naming the file,
+    its size and the size its index needs."""
+    good = sorted((resolve(saved.root, GOOD) / C.DCP_DIR).glob("*.raw"))
+    assert good
+    for shard in good:
+        size = shard.stat().st_size
+        name = f"short_{shard.stem.strip('_')}"
+
+        def cut(out: Path, shard: Path = shard) -> None:
+            path = out / C.DCP_DIR / shard.name
+            path.write_bytes(path.read_bytes()[:-1])
+
+        republish(saved.root, name, edit=cut)
+        message = assert_fails_closed(live, saved.root, name, r"validating")
+        expected = f"{shard.name} is truncated: {size - 1} bytes, its index needs {size}."
+        assert expected in message, message

@@ -391,3 +391,36 @@ def test_latest_complete_prefers_the_original_name_over_a_second_link(tmp_path: 
     save(pub, layout.step_name(1), 1)
     link_by_hand(tmp_path, "a_best", layout.step_name(1))
     assert latest_complete(tmp_path) == layout.step_name(1)
+
+
+@pytest.mark.parametrize("change", ["grown", "shrunk"])
+def test_a_size_only_file_that_changed_size_after_publication_is_refused(
+    tmp_path: Path, change: str
+) -> None:
+    """A file too large for a checksum has only its size in the manifest: bytes appended
+    to it (or cut from it) after publication make the version incomplete for every reader,
+    with or without checksum verification, and ``auto`` falls back to the previous step."""
+    pub = Publisher(tmp_path, fsync=False)
+    save(pub, layout.step_name(1), 1)
+    size = CHECKSUM_MAX_BYTES + 1
+    with pub.write(layout.step_name(2), step=2) as version:
+        write_payload(version, 2, 64)
+        with open(version / "shards" / "big.bin", "wb") as f:
+            f.truncate(size)  # sparse: no real I/O
+    path = resolve(tmp_path, layout.step_name(2))
+    entry = read_manifest(path).files["shards/big.bin"]
+    assert (entry.size, entry.sha256) == (size, None)
+    assert latest_complete(tmp_path) == layout.step_name(2)
+    big = path / "shards" / "big.bin"
+    if change == "grown":
+        with open(big, "ab") as f:
+            f.write(b"\0")
+    else:
+        os.truncate(big, size - 1)
+    found = size + 1 if change == "grown" else size - 1
+    expected = f"Checkpoint file {big} has {found} bytes, its manifest says {size}."
+    for verify_checksums in (True, False):
+        with pytest.raises(CheckpointError) as info:
+            resolve(tmp_path, layout.step_name(2), verify_checksums=verify_checksums)
+        assert str(info.value) == expected
+    assert latest_complete(tmp_path) == layout.step_name(1)

@@ -291,3 +291,57 @@ def test_frozen_then_unfrozen_parameter_gets_fresh_state_at_first_gradient(name)
     ref.step()
     assert float(opt.state[frozen][STEP]) == 1.0
     assert _same(_snapshot([frozen], opt), _snapshot([ref_param], ref))
+
+
+#: The exact optimizers (FP32 masters), built with parameter names as the trainer builds them.
+EXACT_FACTORIES = {
+    "full_fp32_adamw": lambda g, names: FullFP32AdamW(g, param_names=names, **HYPER),
+    "master_fp32_adamw": lambda g, names: MasterFP32AdamW(g, param_names=names, **HYPER),
+    "cpu_offload_adamw": lambda g, names: CPUOffloadAdamW(
+        [{**g[0], "cpu_offload": True}], chunk_size=128, param_names=names, **HYPER
+    ),
+}
+RESHAPES = {
+    "transposed": lambda t: t.t().contiguous(),
+    "flattened": lambda t: t.reshape(-1).clone(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_FACTORIES))
+@pytest.mark.parametrize("key", [EXP_AVG, EXP_AVG_SQ, MASTER_WEIGHT])
+@pytest.mark.parametrize("reshape", sorted(RESHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_state_of_the_right_size_but_another_shape_is_refused(name, key, reshape, dtype):
+    """A moment or master of a non-square weight, transposed or flattened (same element
+    count), handed to load_state_dict directly: refused naming the parameter, the key and
+    both shapes, and nothing of the optimizer or the parameters changes."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape).to(dtype)) for shape in [(64,), (37, 29)]]
+    names = {id(params[0]): "model.norm.weight", id(params[1]): "model.proj.weight"}
+    opt = EXACT_FACTORIES[name]([{"params": params}], names)
+    for step in range(2):
+        set_grads(params, step, dtype)
+        opt.step()
+    bad = copy.deepcopy(opt.state_dict())
+    bad["state"][0] = {k: (v + 1 if k != STEP else v) for k, v in bad["state"][0].items()}
+    original = bad["state"][1][key]
+    assert original.shape == (37, 29)
+    bad["state"][1][key] = RESHAPES[reshape](original)
+    found = tuple(bad["state"][1][key].shape)
+    assert found != (37, 29) and bad["state"][1][key].numel() == original.numel()
+    before = _snapshot(params, opt)
+    with pytest.raises(CheckpointError) as info:
+        opt.load_state_dict(bad)
+    message = str(info.value)
+    assert f"{key!r} of model.proj.weight" in message, message
+    assert f"shape {found}, expected (37, 29)" in message, message
+    assert _same(before, _snapshot(params, opt))
+    # The refused load left the optimizer usable: its next step equals an untouched copy's.
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = EXACT_FACTORIES[name]([{"params": twin_params}], {})
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    set_grads(params, 2, dtype)
+    set_grads(twin_params, 2, dtype)
+    opt.step()
+    twin.step()
+    assert _same(_snapshot(params, opt), _snapshot(twin_params, twin))

@@ -253,3 +253,24 @@ def test_the_slot_schedule_defaults_like_the_trainer(tmp_path):
     trainer = build(tmp_path, **{"train.max_steps": 0, "scheduler.name": "linear"})
     trainer.create_slot(0)
     assert trainer.slots[0].optimizer.scheduler.max_steps == DEFAULT_MAX_STEPS
+
+
+@pytest.mark.parametrize("rank", [0, 9])
+def test_a_saved_adapter_rank_outside_1_to_lora_r_is_refused(writer, live, rank):
+    """The right maximum rank (8) but a slot rank of 0 or above lora.r: refused naming the
+    range, the rank found and the checkpoint, before any slot changes. The edited adapter
+    JSON is published with a matching manifest (as a foreign writer would), so the
+    loader's rank check refuses it, not the manifest's checksum."""
+
+    def set_rank(adapter: dict) -> None:
+        assert adapter["max_rank"] == 8 and adapter["spec"]["r"] == 8
+        adapter["spec"]["r"] = rank
+
+    ref = republish(
+        writer.store.root, f"rank{rank}", edit=edit_json(f"{C.STATE_DIR}/adapter.json", set_rank)
+    )
+    message = assert_fails_closed(
+        live, ref, rf"has rank {rank} and alpha 16\.0; expected a rank in \[1, 8\]"
+    )
+    assert "adapter of slot checkpoint" in message and f"rank{rank}" in message
+    assert "checksum" not in message

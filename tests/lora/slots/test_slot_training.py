@@ -246,3 +246,76 @@ def test_accumulated_gradients_are_the_token_mean(tmp_path):
     a, b = one.slot_state(0), two.slot_state(0)
     for name in a["weights"]:
         torch.testing.assert_close(a["exp_avg"][name], b["exp_avg"][name], rtol=1e-4, atol=1e-9)
+
+
+#: Below every norm of these steps (the clip bites), above slot 0's first-step norm were its
+#: gradient divided by the batch's tokens (so that wrong scale would not be clipped away).
+CLIP = 0.3
+MIXED_STEPS = [  # (slot 0's rows, slot 1's rows): slot 1 has more labelled tokens each step
+    ([600, 601], [602, 603, 604, 605, 606]),
+    ([610, 611], [612, 613, 614, 615, 616]),
+]
+
+
+def clipped_steps(tmp_path, name: str, slots: list[int]) -> tuple[list[dict], dict]:
+    """Slots 0 and 1 created; MIXED_STEPS with the rows of ``slots`` only, each slot
+    stepped after each forward_backward. Returns each step's results and the weights."""
+    trainer = build(tmp_path / name, **{"model.dtype": "fp32", "train.grad_clip": CLIP})
+    for slot in (0, 1):
+        trainer.create_slot(slot)
+    results = []
+    for step_rows in MIXED_STEPS:
+        rows = [row for slot in slots for row in step_rows[slot]]
+        ids = [slot for slot in slots for _ in step_rows[slot]]
+        losses = trainer.forward_backward(batch(rows, ids))
+        results.append({s: {"tokens": losses[s].tokens, **trainer.optim_step(s)} for s in slots})
+    return results, {s: trainer.slot_state(s)["weights"] for s in slots}
+
+
+def test_a_slots_clipped_step_in_a_mixed_batch_equals_that_slot_trained_alone(tmp_path):
+    """Each slot's gradient is the mean over its own tokens, not the batch's: its reported
+    grad norm, and its weights after clipped steps, are those of the slot trained alone on
+    its rows. (Adam is scale-invariant: a gradient divided by the wrong token count shows
+    only in the norm, and in the weights once a clip bites on the right norm only.)"""
+    mixed, mixed_weights = clipped_steps(tmp_path, "mixed", [0, 1])
+    for slot in (0, 1):
+        alone, alone_weights = clipped_steps(tmp_path, f"alone{slot}", [slot])
+        for step, (m, a) in enumerate(zip(mixed, alone, strict=True)):
+            assert m[slot]["tokens"] == a[slot]["tokens"]
+            assert a[slot]["grad_norm"] > CLIP, "the clip must bite"
+            assert m[slot]["grad_norm"] == pytest.approx(a[slot]["grad_norm"], rel=1e-5), (
+                f"slot {slot}, step {step}"
+            )
+        for name, weight in alone_weights[slot].items():
+            torch.testing.assert_close(
+                mixed_weights[slot][name],
+                weight,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda why, name=name: f"{name}: {why}",
+            )
+    assert all(m[0]["tokens"] != m[1]["tokens"] for m in mixed)  # the batch's count differs
+
+
+def pending_step_of_slot_0(tmp_path, name: str, *, load_into_1: bool) -> tuple[dict, dict]:
+    """Slots 0 (tenant A) and 1 (tenant B) trained, B saved; A's forward_backward, then
+    (if ``load_into_1``) B loads its checkpoint into slot 1, then A's optim_step."""
+    trainer = build(tmp_path / name)
+    for slot in (0, 1):
+        trainer.create_slot(slot)
+    train(trainer, 2, [0, 1])
+    trainer.save_slot(1, "bob")
+    trainer.forward_backward(batch([800, 801, 802], [0, 0, 0]))
+    if load_into_1:
+        trainer.load_slot(1, "bob")
+    return trainer.optim_step(0), trainer.slot_state(0)
+
+
+def test_a_load_into_another_slot_keeps_this_slots_pending_gradients(tmp_path):
+    """Tenant B loading into slot 1 between tenant A's forward_backward and A's optim_step
+    changes nothing of A's step: bitwise the step of the same sequence without B's load."""
+    expected, expected_state = pending_step_of_slot_0(tmp_path, "plain", load_into_1=False)
+    result, state = pending_step_of_slot_0(tmp_path, "loaded", load_into_1=True)
+    assert expected["grad_norm"] > 0
+    assert result == expected
+    assert differences(expected_state, state) == []
