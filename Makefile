@@ -13,7 +13,8 @@ export WANDB_MODE ?= disabled
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plots]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plots,service,cookbook]"
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps tinker-cookbook==0.6.1
 	touch $@
 
 setup: $(VENV)/.installed
@@ -41,6 +42,7 @@ bench: setup
 	$(PY) scripts/bench/optimizer_step.py
 	$(PY) scripts/bench/checkpoint_io.py
 	$(PY) scripts/bench/slot_io.py
+	$(PY) scripts/bench/service.py
 	$(PY) scripts/bench/moe_layer.py
 	$(PY) scripts/bench/activation_memory.py
 	OMP_NUM_THREADS=1 $(PY) scripts/bench/sharded_load.py

@@ -1,0 +1,116 @@
+"""The worker's order and batching, without HTTP: a model's requests run in seq_id order
+whatever order they arrive in, a gap times out, and heads of several models' queues are
+batched (with serve.batch_tenants) into one slot batch whose results match lone runs to
+float rounding."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from tinker import types
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from tests.service.helpers import BASE_MODEL, datum
+from veoptim.service.db import Database
+from veoptim.service.engine import READY, Engine, Model, Op
+from veoptim.service.errors import ServiceError
+from veoptim.service.futures import FutureTable
+from veoptim.service.wire import ForwardBackwardRequest, decode_forward_backward
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+class Joinable:
+    def joins(self, other) -> bool:
+        return isinstance(other, Joinable)
+
+
+def engine(tmp_path, batch_tenants=True, gap=10.0) -> tuple[Engine, list]:
+    ran: list = []
+
+    def run_batch(ops: list[Op]) -> list[dict]:
+        ran.append([o.kind for o in ops])
+        return [{} for _ in ops]
+
+    futures = FutureTable(Database(tmp_path / "db.sqlite"), 100)
+    e = Engine(futures, batch_tenants=batch_tenants, gap_timeout_s=gap, run_batch=run_batch)
+    return e, ran
+
+
+def add(e: Engine, name: str) -> Model:
+    model = Model(name, 1, "s", status=READY, next_seq=1)
+    e.add_model(model)
+    return model
+
+
+def test_requests_run_in_seq_id_order_and_a_gap_times_out(tmp_path):
+    e, ran = engine(tmp_path, gap=0.3)
+    m = add(e, "m")
+    order: list[int] = []
+    for seq in (3, 1, 2):
+        e.submit(
+            1, m, seq, f"op{seq}", lambda s=seq: Op(f"op{s}", None, run=lambda: order.append(s))
+        )
+    e.start()
+    stuck = e.submit(1, m, 5, "op5", lambda: Op("op5", None, run=lambda: order.append(5)))
+    deadline = time.monotonic() + 10
+    while stuck.status == "pending" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert order == [1, 2, 3] and stuck.status == "failed" and "seq_id 4" in stuck.error
+    with pytest.raises(ServiceError, match="already used"):
+        e.submit(1, m, 2, "again", lambda: Op("again", None, run=lambda: None))
+    e.stop(5)
+
+
+@pytest.mark.parametrize("batch_tenants", [True, False])
+def test_heads_of_several_models_run_as_one_batch(tmp_path, batch_tenants):
+    e, ran = engine(tmp_path, batch_tenants=batch_tenants)
+    a, b = add(e, "a"), add(e, "b")
+    for model in (a, b):
+        e.submit(
+            1, model, 1, f"fb-{model.id}", lambda m=model: Op(f"fb-{m.id}", None, batch=Joinable())
+        )
+    e.start()
+    deadline = time.monotonic() + 10
+    while not e.idle() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ran == ([["fb-a", "fb-b"]] if batch_tenants else [["fb-a"], ["fb-b"]])
+    e.stop(5)
+
+
+def request(model_id: str, data: list[types.Datum]) -> ForwardBackwardRequest:
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    sdk = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+        model_id=model_id, seq_id=1,
+    )  # fmt: skip
+    msg = forward_backward_request_to_proto(sdk)
+    msg.forward_only = True
+    return decode_forward_backward(msg.SerializeToString())
+
+
+def test_a_batch_of_two_tenants_matches_their_lone_runs(server):
+    sc = server.client("alice")
+    clients = [sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=s).result()
+               for s in (1, 2)]  # fmt: skip
+    backend = server.service.backend
+    models = [server.service.engine.models[c.model_id] for c in clients]
+    data = [[datum([5, 6, 7, 8, 9, 10, 11])], [datum([12, 13, 14]), datum([15, 16, 17, 18])]]
+    ops = [
+        backend.prepare_forward_backward(m, request(m.id, d))
+        for m, d in zip(models, data, strict=True)
+    ]
+    batched = backend.forward_backward(ops)
+    for op, together in zip(ops, batched, strict=True):
+        (alone,) = backend.forward_backward([op])
+        got = deserialize_forward_backward_output(together)
+        want = deserialize_forward_backward_output(alone)
+        for g, w in zip(got.loss_fn_outputs, want.loss_fn_outputs, strict=True):
+            np.testing.assert_allclose(
+                g["logprobs"].to_numpy(), w["logprobs"].to_numpy(), rtol=1e-5, atol=1e-6
+            )
+        assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
+    sc.close("success").result()

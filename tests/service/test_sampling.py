@@ -1,0 +1,297 @@
+"""Sampling through the SDK on a server in this process: sampler snapshots
+(save_weights_for_sampler, save_weights_and_get_sampling_client, create_sampling_session
+from a path or the base model, GET samplers/{id}), asample and compute_logprobs.
+
+Greedy samples equal ``PeftModel.generate`` on the snapshot's PEFT export loaded with
+plain transformers + peft; a seed repeats exactly; compute_logprobs equals the training
+slot's forward log-probabilities at the snapshot; later training never changes what a
+snapshot samples; stops, several prompt chunks, tenancy and bad parameters.
+
+The module's own server computes in FP32 (``model.dtype=fp32``, exports in FP32): the
+tiny model's greedy choices have near-ties that one BF16 rounding of another summation
+order (the slots' batched LoRA product against PEFT's) can flip."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+from tinker.proto.response_conv import deserialize_sample_response as decode
+
+from tests.service.helpers import BASE_MODEL, InProcessServer, examples, train_step
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+PROMPTS = ("User: Uppercase word1\nAssistant:", "User: Uppercase word3\nAssistant: W", "User: hi")
+GREEDY = types.SamplingParams(max_tokens=10, temperature=0)
+SEEDED = types.SamplingParams(max_tokens=10, temperature=1.0, top_k=40, top_p=0.9, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    served = InProcessServer(tmp_path_factory.mktemp("sample"), "model.dtype=fp32",
+                             "export.dtype=fp32")  # fmt: skip
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def trained(server):
+    """Alice's model trained a few steps and a sampler snapshot of it."""
+    sc = server.client("alice")
+    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=4).result()
+    tokenizer = tc.get_tokenizer()
+    data = examples(tokenizer, 4)
+    for _ in range(6):
+        train_step(tc, data)
+    path = tc.save_weights_for_sampler("snap").result().path
+    sampler = sc.create_sampling_client(model_path=path).result()
+    yield {"sc": sc, "tc": tc, "tok": tokenizer, "path": path, "sampler": sampler, "data": data}
+    sc.close("success").result()
+
+
+def prompt_of(tokenizer, text: str) -> types.ModelInput:
+    return types.ModelInput.from_ints(tokenizer.encode(text))
+
+
+def samples(sampler, prompt, n: int, params) -> list[tuple[list[int], str]]:
+    response = sampler.sample(prompt, n, params).result()
+    return [(s.tokens, s.stop_reason) for s in response.sequences]
+
+
+def store_ref(server, path: str) -> str:
+    name = path.rsplit("/", 1)[1]
+    row = server.service.db.one("SELECT store_ref FROM checkpoints WHERE name = ?", (name,))
+    return row["store_ref"]
+
+
+def test_save_weights_for_sampler_publishes_a_snapshot_and_a_sampler_names_it(server, trained):
+    tc, path = trained["tc"], trained["path"]
+    assert path == f"tinker://{tc.model_id}/sampler_weights/snap"
+    rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
+    listed = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+    assert path in listed
+    ref = store_ref(server, path)
+    assert (server.service.backend.export_dir(ref) / "adapter_config.json").is_file()
+    sampler = trained["sampler"]
+    info = rest.get_sampler(sampler._sampling_session_id).result()
+    assert (info.base_model, info.model_path) == (BASE_MODEL, path)
+    with server.http("alice") as http:
+        assert http.get(f"/samplers/{info.sampler_id}").json()["model_path"] == path
+    with server.http("bob") as http:  # another tenant's sampler: not found
+        assert http.get(f"/samplers/{info.sampler_id}").status_code == 404
+
+
+def test_greedy_samples_equal_peft_generate_on_the_snapshot_export(server, trained):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tok, sampler = trained["tok"], trained["sampler"]
+    export = server.service.backend.export_dir(store_ref(server, trained["path"]))
+    base = AutoModelForCausalLM.from_pretrained(export.parent.parent / "hf_base",
+                                                dtype=torch.float32)  # fmt: skip
+    reference = PeftModel.from_pretrained(base, str(export)).eval()
+    for text in PROMPTS:
+        ids = tok.encode(text)
+        (tokens, reason), again = samples(sampler, prompt_of(tok, text), 2, GREEDY)
+        assert again == (tokens, reason)  # greedy: every sample the same
+        with torch.no_grad():
+            out = reference.generate(input_ids=torch.tensor([ids]),
+                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=10, do_sample=False, temperature=None,
+                                     top_p=None, top_k=None, eos_token_id=tok.eos_token_id,
+                                     pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()  # fmt: skip
+        assert tokens == out, text
+        assert reason == ("stop" if out[-1] == tok.eos_token_id and len(out) < 10 else "length")
+
+
+def test_seeded_sampling_repeats_and_a_snapshot_never_changes_with_training(server, trained):
+    tok, sampler, tc = trained["tok"], trained["sampler"], trained["tc"]
+    prompt = prompt_of(tok, PROMPTS[0])
+    first = sampler.sample(prompt, 4, SEEDED).result()
+    seeded = [(s.tokens, s.logprobs) for s in first.sequences]
+    assert len({tuple(t) for t, _ in seeded}) > 1  # the samples of one request differ
+    assert [
+        (s.tokens, s.logprobs) for s in sampler.sample(prompt, 4, SEEDED).result().sequences
+    ] == seeded
+    other = types.SamplingParams(**{**SEEDED.model_dump(), "seed": 99})
+    assert [s.tokens for s in sampler.sample(prompt, 4, other).result().sequences] != [
+        t for t, _ in seeded
+    ]
+    for (tokens, logprobs), _ in zip(seeded, range(4), strict=False):
+        assert len(logprobs) == len(tokens) and all(math.isfinite(x) and x <= 0 for x in logprobs)
+    greedy = samples(sampler, prompt, 1, GREEDY)
+    lps = sampler.compute_logprobs(prompt).result()
+    data = trained["data"]
+    for _ in range(3):  # train on: the snapshot's samples stay the same
+        train_step(tc, data, learning_rate=1e-2)
+    assert [
+        (s.tokens, s.logprobs) for s in sampler.sample(prompt, 4, SEEDED).result().sequences
+    ] == seeded
+    assert samples(sampler, prompt, 1, GREEDY) == greedy
+    assert sampler.compute_logprobs(prompt).result() == lps
+    newer = (
+        tc.save_weights_and_get_sampling_client().result()
+    )  # the unnamed snapshot, after training
+    assert newer.compute_logprobs(prompt).result() != lps
+
+
+def test_compute_logprobs_equals_the_training_forward_at_the_snapshot(server):
+    sc = server.client("bob")
+    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=8).result()
+    tok = tc.get_tokenizer()
+    train_step(tc, examples(tok, 3))
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    for text in PROMPTS:
+        ids = tok.encode(text)
+        chunked = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=ids[:3]),
+                                           types.EncodedTextChunk(tokens=ids[3:])])  # fmt: skip
+        got = sampler.compute_logprobs(chunked).result()
+        assert got[0] is None and len(got) == len(ids)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(ids), loss_fn_inputs={
+            "target_tokens": np.array([*ids[1:], 0]), "weights": np.ones(len(ids), np.float32)})  # fmt: skip
+        forward = tc.forward([datum], "cross_entropy").result()
+        expected = forward.loss_fn_outputs[0]["logprobs"].to_numpy()[:-1]
+        np.testing.assert_array_equal(np.array(got[1:], np.float32), expected)
+    sc.close("success").result()
+
+
+def test_stop_tokens_stop_strings_chunks_and_the_base_model(server, trained):
+    tok, sampler, sc = trained["tok"], trained["sampler"], trained["sc"]
+    text = PROMPTS[1]
+    ids = tok.encode(text)
+    [(tokens, _)] = samples(sampler, prompt_of(tok, text), 1, GREEDY)
+    chunked = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=ids[:2]),
+                                       types.EncodedTextChunk(tokens=ids[2:5]),
+                                       types.EncodedTextChunk(tokens=ids[5:])])  # fmt: skip
+    assert samples(sampler, chunked, 1, GREEDY) == samples(sampler, prompt_of(tok, text), 1, GREEDY)
+    stop_at = tokens[3]
+    by_id = types.SamplingParams(max_tokens=10, temperature=0, stop=[stop_at])
+    [(stopped, reason)] = samples(sampler, prompt_of(tok, text), 1, by_id)
+    assert reason == "stop" and stopped == tokens[: tokens.index(stop_at) + 1]
+    piece = tok.decode(tokens[:3])[-1:]  # a string the greedy text contains early
+    by_text = types.SamplingParams(max_tokens=10, temperature=0, stop=[piece])
+    [(stopped, reason)] = samples(sampler, prompt_of(tok, text), 1, by_text)
+    assert reason == "stop" and piece in tok.decode(stopped) and len(stopped) <= 3
+    none = types.SamplingParams(max_tokens=10, temperature=0, stop=[])
+    assert samples(sampler, prompt_of(tok, text), 1, none)[0][1] == "length"
+    base = sc.create_sampling_client(base_model=BASE_MODEL).result()
+    rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
+    assert rest.get_sampler(base._sampling_session_id).result().model_path is None
+    [(base_tokens, _)] = samples(base, prompt_of(tok, text), 1, GREEDY)
+    assert base_tokens != tokens  # the base alone, not the adapter
+
+
+def test_concurrent_requests_of_two_tenants_batch_and_sample_as_alone(server, trained):
+    tok, sampler = trained["tok"], trained["sampler"]
+    sc = server.client("bob")
+    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2, seed=3).result()
+    train_step(tc, examples(tok, 2), learning_rate=2e-2)
+    bobs = tc.save_weights_and_get_sampling_client().result()
+    prompts = [prompt_of(tok, t) for t in PROMPTS]
+    alone = [(samples(s, p, 2, SEEDED), samples(s, p, 1, GREEDY))
+             for s in (sampler, bobs) for p in prompts]  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        jobs = [(pool.submit(samples, s, p, 2, SEEDED), pool.submit(samples, s, p, 1, GREEDY))
+                for s in (sampler, bobs) for p in prompts]  # fmt: skip
+        together = [(a.result(), b.result()) for a, b in jobs]
+    assert together == alone
+    # the same requests as one batch of rows on the worker's path, deterministically
+    backend = server.service.backend
+    tenants = {name: server.service.db.one("SELECT id FROM tenants WHERE name = ?", (name,))["id"]
+               for name in ("alice", "bob")}  # fmt: skip
+    bodies = []
+    for tenant, s in (("alice", sampler), ("bob", bobs)):
+        for p in prompts:
+            for params, n in ((SEEDED, 2), (GREEDY, 1)):
+                bodies.append((tenants[tenant], {
+                    "sampling_session_id": s._sampling_session_id, "num_samples": n,
+                    "prompt": p.model_dump(mode="json"), "sampling_params": params.model_dump()}))  # fmt: skip
+    ops = [backend.samplers.prepare(t, body)[0] for t, body in bodies]
+    batched = backend.run_batch(ops)
+    assert len({op.batch.request.store_ref for op in ops}) == 2
+    flat = [v for pair in alone for v in pair]
+    got = [[(q.tokens, q.stop_reason) for q in decode(r).sequences] for r in batched]
+    assert got == flat  # the same tokens; log-probs to float rounding (padded rows)
+    for op, result in zip(ops, batched, strict=True):
+        for a, b in zip(decode(result).sequences, decode(backend.run_batch([op])[0]).sequences,
+                        strict=True):  # fmt: skip
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    sc.close("success").result()
+
+
+def test_tenancy_and_bad_sampling_parameters(server, trained):
+    tok = trained["tok"]
+    bob = server.client("bob")
+    with pytest.raises(tinker.APIStatusError) as caught:  # alice's path: not found for bob
+        bob.create_sampling_client(model_path=trained["path"]).result()
+    assert caught.value.status_code == 404 and "not found" in str(caught.value.body)
+    with pytest.raises(tinker.APIStatusError) as caught:
+        bob.create_sampling_client(model_path=trained["path"].replace("snap", "nothing")).result()
+    assert caught.value.status_code == 404
+    bob.close("success").result()
+    sampler, prompt = trained["sampler"], prompt_of(tok, PROMPTS[0])
+    cases = [
+        (types.SamplingParams(max_tokens=1000), "sampling_params.max_tokens"),
+        (types.SamplingParams(max_tokens=4, temperature=-1), "sampling_params.temperature"),
+        (types.SamplingParams(max_tokens=4, top_p=0), "sampling_params.top_p"),
+        (types.SamplingParams(max_tokens=4, stop=[10**6]), "sampling_params.stop"),
+        (types.SamplingParams(max_tokens=4, seed=-1), "sampling_params.seed"),
+    ]
+    for params, word in cases:
+        with pytest.raises(tinker.APIStatusError) as caught:
+            sampler.sample(prompt, 1, params).result()
+        assert 400 <= caught.value.status_code < 500 and word in str(caught.value.body), word
+    with pytest.raises(tinker.APIStatusError, match="num_samples"):
+        sampler.sample(prompt, 1000, GREEDY).result()
+    body = {"sampling_session_id": sampler._sampling_session_id, "num_samples": 1,
+            "prompt": prompt.model_dump(mode="json"), "sampling_params": GREEDY.model_dump()}  # fmt: skip
+    with server.http("bob") as http:  # alice's sampler: not found for bob
+        refused = http.post("/asample", json=body)
+        assert refused.status_code == 404 and "not found" in refused.json()["detail"]
+    with server.http("alice") as http:
+        assert "sample_sequence_ids" in http.post("/asample", json=body).json()
+    sampler.sample(prompt, 1, GREEDY).result()  # its metrics line is written before its result
+    lines = [json.loads(x) for x in (server.run_dir / "metrics.jsonl").read_text().splitlines()]
+    sampled = [x for x in lines if x["op"] == "sample"]
+    assert sampled and all(x["tokens"] >= 1 and x["rows_in_batch"] >= 1 for x in sampled)
+
+
+def test_training_models_take_snapshot_slots_and_snapshots_come_back(server, trained):
+    tok, sampler = trained["tok"], trained["sampler"]
+    prompt = prompt_of(tok, PROMPTS[0])
+    greedy = samples(sampler, prompt, 1, GREEDY)
+    assert server.service.backend.samplers.slots  # the snapshot is cached in a slot
+    bob = server.client("bob")
+    free = server.trainer.num_slots - len(server.service.backend.used_slots())
+    models = [bob.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
+              for _ in range(free)]  # fmt: skip
+    assert len(models) == free and not server.service.backend.samplers.slots
+    with pytest.raises(tinker.RequestFailedError, match="lora.num_slots"):
+        sampler.sample(prompt, 1, GREEDY).result()
+    bob.close("success").result()
+    assert samples(sampler, prompt, 1, GREEDY) == greedy  # reloaded: the same snapshot
+
+
+def test_deleting_a_sampler_checkpoint_removes_its_entry_and_export(server, trained):
+    tc = trained["tc"]
+    path = tc.save_weights_for_sampler("gone").result().path
+    ref = store_ref(server, path)
+    export = server.service.backend.export_dir(ref)
+    entry = server.trainer.store.root / ref
+    assert export.is_dir() and entry.is_dir()
+    rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    deadline = time.monotonic() + 10
+    while (export.exists() or entry.exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the deletion runs on the worker
+    assert not export.exists() and not entry.exists()
+    with pytest.raises(tinker.APIStatusError) as caught:
+        trained["sc"].create_sampling_client(model_path=path).result()
+    assert caught.value.status_code == 404

@@ -1,0 +1,290 @@
+"""The worker: one thread runs every request that touches the trainer, each model's in
+its ``seq_id`` order.
+
+A model's requests carry consecutive ``seq_id`` s (the SDK numbers them from 1; the call
+that creates the model, ``create_model`` or a create-by-load, is 0). One that arrives
+before its predecessors waits (the SDK sends a split batch concurrently, first chunk
+last); one that waits longer than ``serve.seq_gap_timeout_s`` fails. A ``seq_id`` already
+used is refused at submit (unless it is a retry: the same ``X-Idempotency-Key``). A
+request refused at submit for bad input still uses its ``seq_id`` (the SDK has moved
+on), so the model's next request does not wait for it.
+
+With ``serve.batch_tenants`` the worker runs the ``forward_backward`` requests at the
+head of several models' queues as one slot batch (:meth:`Backend.forward_backward`), and
+the waiting ``asample`` requests (outside any model's order) as one sampling batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from veoptim.errors import VeoptimError
+from veoptim.service.errors import SERVER, USER, NotFound, ServiceError
+from veoptim.service.futures import Future, FutureTable
+
+log = logging.getLogger("veoptim.service")
+#: A request may run at most this many seq_ids ahead of its model's next one.
+MAX_AHEAD = 4096
+#: At most this many requests outside any model's order (sampling) run as one batch.
+MAX_FREE_BATCH = 32
+CREATING, READY, FAILED, UNLOADED = "creating", "ready", "failed", "unloaded"
+
+
+@dataclass
+class Op:
+    kind: str
+    future: Future | None  # None: a refused request that only uses up its seq_id
+    run: Callable[[], Any] | None = None
+    #: forward_backward: the prepared batch part (Backend.forward_backward runs lists of them).
+    batch: Any = None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Model:
+    id: str
+    tenant_id: int
+    session_id: str
+    status: str = CREATING
+    slot: int | None = None
+    rank: int = 0
+    next_seq: int = 0
+    queue: dict[int, Op] = field(default_factory=dict)
+    #: seq_id -> (idempotency key, future) of the recent submissions (for retries).
+    seen: dict[int, tuple[str, Future | None]] = field(default_factory=dict)
+    error: str = ""
+
+
+class Engine:
+    def __init__(self, futures: FutureTable, *, batch_tenants: bool, gap_timeout_s: float,
+                 run_batch: Callable[[list[Op]], list[Any]]) -> None:  # fmt: skip
+        self.futures, self.batch_tenants, self.gap_timeout_s = futures, batch_tenants, gap_timeout_s
+        self._run_batch = run_batch
+        self.models: dict[str, Model] = {}
+        self._free: list[Op] = []  # requests outside any model's order, in arrival order
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._deadline = float("inf")
+        self._busy = False
+        self._thread = threading.Thread(target=self._loop, name="veoptim-service-worker")
+        self._thread.daemon = True
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submit
+    def model(self, model_id: str, tenant_id: int) -> Model:
+        model = self.models.get(model_id)
+        if model is None or model.tenant_id != tenant_id:
+            raise NotFound(f"model_id {model_id!r} is not a model of this tenant on this server.")
+        return model
+
+    def add_model(self, model: Model) -> None:
+        with self._cond:
+            if model.id in self.models:
+                raise ServiceError(
+                    f"model_seq_id: model {model.id} already exists in this session."
+                )
+            self.models[model.id] = model
+
+    def submit(self, tenant_id: int, model: Model | None, seq_id: int | None, kind: str,
+               prepare: Callable[[], Op], idempotency_key: str = "") -> Future:  # fmt: skip
+        """Validate (``prepare`` builds the op; its ServiceError refuses the request) and
+        queue a request of ``model`` at ``seq_id`` (None: in arrival order)."""
+        with self._cond:
+            if self._stopping:
+                raise ServiceError("the server is shutting down.", status=503, category=SERVER)
+            if model is not None and seq_id is not None:
+                retried = self._check_seq(model, seq_id, idempotency_key)
+                if retried is not None:
+                    return retried
+            runnable = model is not None and seq_id == model.next_seq
+            try:
+                op = prepare()
+                op.future = self.futures.create(
+                    tenant_id, model.id if model else None, kind, limited=not runnable
+                )
+            except ServiceError:
+                if model is not None and seq_id is not None:
+                    self._enqueue(model, seq_id, Op(kind, None), idempotency_key)
+                raise
+            if model is None or seq_id is None:
+                self._free.append(op)
+            else:
+                self._enqueue(model, seq_id, op, idempotency_key)
+            self._cond.notify_all()
+            return op.future
+
+    def _check_seq(self, model: Model, seq_id: int, key: str) -> Future | None:
+        """Refuse a used or out-of-order ``seq_id``; the future of a retried submission."""
+        if model.status in (FAILED, UNLOADED):
+            reason = f": {model.error}" if model.error else "."
+            raise ServiceError(f"model_id {model.id} is {model.status}{reason}")
+        if seq_id in model.seen:
+            seen_key, future = model.seen[seq_id]
+            if key and seen_key == key and future is not None:
+                return future
+            raise ServiceError(
+                f"seq_id {seq_id} was already used for model {model.id} (the next one is "
+                f"{max(model.seen) + 1}); send each request once, in order."
+            )
+        if seq_id < model.next_seq or seq_id > model.next_seq + MAX_AHEAD:
+            raise ServiceError(
+                f"seq_id {seq_id} is out of order for model {model.id}: expected "
+                f"{model.next_seq} to {model.next_seq + MAX_AHEAD}."
+            )
+        return None
+
+    def _enqueue(self, model: Model, seq_id: int, op: Op, key: str) -> None:
+        model.queue[seq_id] = op
+        model.seen[seq_id] = (key, op.future)
+        for old in [s for s in model.seen if s < seq_id - 2 * MAX_AHEAD]:
+            del model.seen[old]
+
+    # ------------------------------------------------------------------ worker
+    def _take(self) -> list[Op]:
+        """The next ops to run (under the lock): the earliest-arrived runnable op, plus, for
+        a batchable forward_backward, the batchable heads of other models' queues."""
+        now = time.monotonic()
+        heads: list[tuple[Op, Model | None]] = [(op, None) for op in self._free[:1]]
+        for model in self.models.values():
+            while model.next_seq in model.queue and model.queue[model.next_seq].future is None:
+                del model.queue[model.next_seq]  # a refused request: its seq_id is used up
+                model.next_seq += 1
+            if not model.queue:
+                continue
+            head = model.queue.get(model.next_seq)
+            if head is not None:
+                heads.append((head, model))
+            elif now - min(op.arrival for op in model.queue.values()) > self.gap_timeout_s:
+                self._fail_gap(model)
+        if not heads:
+            return []
+        first, owner = min(heads, key=lambda h: h[0].arrival)
+        chosen = [(first, owner)]
+        if first.batch is not None and self.batch_tenants:
+            chosen += [
+                (op, m)
+                for op, m in heads
+                if op is not first and m is not None and first.batch.joins(op.batch)
+            ]
+            chosen += [  # requests outside any order (sampling) that join it
+                (op, None)
+                for op in self._free[:MAX_FREE_BATCH]
+                if op is not first and op.batch is not None and first.batch.joins(op.batch)
+            ]
+        for op, model in chosen:
+            if model is None:
+                self._free.remove(op)
+            else:
+                del model.queue[model.next_seq]
+                model.next_seq += 1
+        return [op for op, _ in chosen]
+
+    def _fail_gap(self, model: Model) -> None:
+        missing = model.next_seq
+        for seq in sorted(model.queue):
+            op = model.queue.pop(seq)
+            if op.future is not None:
+                self.futures.fail(
+                    op.future,
+                    f"seq_id {seq} of model {model.id} waited more than {self.gap_timeout_s:g} s "
+                    f"for seq_id {missing}, which never arrived (serve.seq_gap_timeout_s).",
+                    USER,
+                )
+            model.next_seq = seq + 1
+
+    def run(self) -> None:
+        """The worker loop on the calling thread (the server's main thread: torch runs best
+        on the thread that built the model); returns once :meth:`request_stop` drained."""
+        self._loop()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                ops = self._take() if not self._past_deadline() else []
+                while not ops:
+                    if self._stopping:
+                        return
+                    self._cond.wait(0.25)
+                    ops = self._take()
+                self._busy = True
+            try:
+                self._execute(ops)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _execute(self, ops: list[Op]) -> None:
+        try:
+            if ops[0].batch is not None:
+                results = self._run_batch(ops)
+            else:
+                results = [ops[0].run()]  # type: ignore[misc]
+        except Exception as exc:  # every request of the batch fails alike
+            message, category = describe(exc)
+            if category == SERVER:
+                log.exception("%s failed", ops[0].kind)
+            for op in ops:
+                self.futures.fail(op.future, message, category)  # type: ignore[arg-type]
+            return
+        for op, result in zip(ops, results, strict=True):
+            if isinstance(result, Exception):
+                self.futures.fail(op.future, *describe(result))  # type: ignore[arg-type]
+            else:
+                self.futures.finish(op.future, result)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ shutdown
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def request_stop(self, timeout: float) -> None:
+        """Refuse new requests; the worker runs what is runnable for up to ``timeout``
+        seconds, then ends. Takes no lock: safe in a signal handler."""
+        self._deadline = time.monotonic() + timeout
+        self._stopping = True
+
+    def _past_deadline(self) -> bool:
+        return self._stopping and time.monotonic() > self._deadline
+
+    def stop(self, timeout: float) -> None:
+        """:meth:`request_stop`, wait for the worker thread (if started), then fail every
+        request that did not run (server)."""
+        if not self._stopping:
+            self.request_stop(timeout)
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(max(0.0, self._deadline - time.monotonic()) + 1.0)
+        with self._cond:
+            leftover = list(self._free)
+            self._free.clear()
+            for model in self.models.values():
+                leftover += [op for op in model.queue.values() if op.future is not None]
+                model.queue.clear()
+        for op in leftover:
+            self.futures.fail(op.future, "the server shut down before this request ran.", SERVER)  # type: ignore[arg-type]
+        for future in self.futures.pending():
+            self.futures.fail(future, "the server shut down before this request finished.", SERVER)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return (
+                not self._busy and not self._free and not any(m.queue for m in self.models.values())
+            )
+
+
+def describe(exc: BaseException) -> tuple[str, str]:
+    """(one-sentence message, category) of a failed request."""
+    if isinstance(exc, ServiceError):
+        return exc.message, exc.category
+    if isinstance(exc, VeoptimError):
+        return str(exc), USER
+    return f"internal server error ({type(exc).__name__}: {exc}).", SERVER

@@ -1,0 +1,73 @@
+"""``tinker://`` checkpoint references and model ids.
+
+A training run is a model: its id is ``{session_id}:train:{model_seq_id}`` (what the SDK
+derives for a model created by a load). A checkpoint is
+``tinker://{training_run_id}/weights/{name}`` (training state, with optimizer) or
+``tinker://{training_run_id}/sampler_weights/{name}`` (adapter weights only). Names are
+the client's and live only in the database: on disk every checkpoint has a server-made
+name in the slot store, so no client text ever becomes a file path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from veoptim.service.errors import NotFound, ServiceError
+
+SCHEME = "tinker://"
+TRAINING, SAMPLER = "training", "sampler"
+#: path segment <-> checkpoint kind (the SDK's ParsedCheckpointTinkerPath).
+SEGMENTS = {"weights": TRAINING, "sampler_weights": SAMPLER}
+KIND_SEGMENT = {kind: segment for segment, kind in SEGMENTS.items()}
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+def model_id(session_id: str, model_seq_id: int) -> str:
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def check_name(name: object, field: str = "path") -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name) or ".." in name:
+        raise ServiceError(
+            f"{field} must be a checkpoint name of letters, digits, '.', '_' and '-' (at most "
+            f"128, starting with a letter or digit), got {name!r}."
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    run_id: str
+    kind: str
+    name: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{KIND_SEGMENT[self.kind]}/{self.name}"
+
+    @property
+    def path(self) -> str:
+        return f"{SCHEME}{self.run_id}/{self.checkpoint_id}"
+
+
+def parse(path: object, field: str = "path") -> CheckpointRef:
+    """The reference ``path`` names; a malformed one is refused naming ``field``."""
+    if not isinstance(path, str) or not path.startswith(SCHEME):
+        raise ServiceError(f"{field} must be a tinker:// checkpoint path, got {path!r}.")
+    parts = path[len(SCHEME) :].split("/")
+    if len(parts) != 3 or parts[1] not in SEGMENTS or not RUN_ID.fullmatch(parts[0]):
+        raise ServiceError(
+            f"{field} must be tinker://<training_run_id>/weights/<name> or "
+            f"tinker://<training_run_id>/sampler_weights/<name>, got {path!r}."
+        )
+    return CheckpointRef(parts[0], SEGMENTS[parts[1]], check_name(parts[2], field))
+
+
+def parse_checkpoint_id(run_id: str, checkpoint_id: str) -> CheckpointRef:
+    """``weights/<name>`` or ``sampler_weights/<name>`` of run ``run_id``."""
+    segment, _, name = checkpoint_id.partition("/")
+    if segment not in SEGMENTS or not NAME.fullmatch(name):
+        raise NotFound(f"training run {run_id} has no checkpoint {checkpoint_id!r}.")
+    return CheckpointRef(run_id, SEGMENTS[segment], name)
