@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from callbacks.checkpoint import CheckpointCallback
-from callbacks.hf_export import HFExportCallback
-from callbacks.metrics import MetricsFileCallback, TensorBoardCallback, WandbCallback
-from callbacks.progress import ProgressCallback
-from callbacks.run_files import ResolvedConfigCallback
 from veoptim.config.schema import TrainerConfig
 from veoptim.trainer import Callback
+
+from .checkpoint import CheckpointCallback
+from .hf_export import HFExportCallback
+from .metrics import MetricsFileCallback, TensorBoardCallback, WandbCallback
+from .progress import ProgressCallback
+from .run_files import ResolvedConfigCallback
 
 
 def standard_callbacks(cfg: TrainerConfig, resolved: dict[str, Any]) -> list[Callback]:

@@ -94,6 +94,12 @@ def prepare_metrics_file(path: Path, resumed_step: int) -> None:
     os.replace(tmp, path)
 
 
+def append_metrics(path: Path, metrics: Metrics) -> None:
+    """Append one record (a JSON object on its own line) to the metrics file ``path``."""
+    with path.open("a") as f:
+        f.write(json.dumps(metrics) + "\n")
+
+
 class MetricsFileCallback(Callback):
     """Appends one JSON object per logged step, after :func:`prepare_metrics_file`."""
 
@@ -111,8 +117,7 @@ class MetricsFileCallback(Callback):
     def on_step_end(self, trainer: Trainer, metrics: Metrics) -> None:
         if self.path is None or not _should_log(self.cfg, trainer, metrics):
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        append_metrics(self.path, metrics)
 
 
 class WandbCallback(Callback):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -9,6 +10,14 @@ import yaml
 from veoptim.trainer import Callback, Trainer
 
 RESOLVED_CONFIG_FILE = "config.yaml"
+
+
+def write_resolved_config(run_dir: Path, config: dict[str, Any]) -> Path:
+    """Write ``<run_dir>/config.yaml``, the resolved config (keys in schema order)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RESOLVED_CONFIG_FILE
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
 
 
 class ResolvedConfigCallback(Callback):
@@ -19,6 +28,4 @@ class ResolvedConfigCallback(Callback):
 
     def on_train_begin(self, trainer: Trainer) -> None:
         if trainer.ctx.is_main:
-            trainer.run_dir.mkdir(parents=True, exist_ok=True)
-            path = trainer.run_dir / RESOLVED_CONFIG_FILE
-            path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+            write_resolved_config(trainer.run_dir, self.config)

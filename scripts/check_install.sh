@@ -29,8 +29,12 @@ mkdir "$WORK/src"
     tar --null -T - -cf -
 ) | tar -xf - -C "$WORK/src"
 "$PYTHON" -m venv "$WORK/venv"
-"$WORK/venv/bin/python" -m pip install --quiet --disable-pip-version-check "$WORK/src" ||
+"$WORK/venv/bin/python" -m pip install --quiet --disable-pip-version-check "$WORK/src[plots]" ||
   fail "pip install of the package failed"
+SITE=$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+for generic in tasks callbacks; do
+  [ ! -e "$SITE/$generic" ] || fail "the package installed a top-level '$generic' into $SITE"
+done
 
 # Outside the checkout, with nothing of it on the path: only the installed package counts.
 cd "$WORK"
@@ -38,7 +42,8 @@ unset PYTHONPATH
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled OMP_NUM_THREADS=1
 BIN="$WORK/venv/bin"
 
-for command in veoptim-sft veoptim-dpo veoptim-multi-lora veoptim-export; do
+for command in veoptim-sft veoptim-dpo veoptim-multi-lora veoptim-export veoptim-serve \
+  veoptim-generate veoptim-sweep-report; do
   "$BIN/$command" --help >"$WORK/help.txt" 2>&1 || fail "$command --help exited with $?"
   grep -q "^usage: $command" "$WORK/help.txt" || fail "$command --help printed no usage line"
 done
@@ -53,4 +58,10 @@ grep -q "^    train.max_steps: int = " <("$BIN/veoptim-sft" --help) ||
   fail "no Hugging Face export at $WORK/run/exports/hf_final"
 [ -f "$WORK/run/sft.log" ] || fail "no run log at $WORK/run/sft.log"
 
-echo "check_install: OK (installed commands run from $WORK: help, a 5-step SFT run, its checkpoint and export)"
+"$BIN/veoptim-sweep-report" "$WORK/run" --out "$WORK/report" >"$WORK/report.txt" ||
+  fail "veoptim-sweep-report exited with $?"
+for f in sweep.md sweep.csv loss.png; do
+  [ -s "$WORK/report/$f" ] || fail "veoptim-sweep-report wrote no $WORK/report/$f"
+done
+
+echo "check_install: OK (installed commands run from $WORK: help, a 5-step SFT run, its checkpoint and export, its sweep report; no top-level tasks/callbacks)"

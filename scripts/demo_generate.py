@@ -4,9 +4,10 @@
 
 The prompts come from the bundled task generator (``scripts/make_assets.py``) with
 another seed, minus every prompt of the training file, so the answers show what
-the model learned rather than what it memorised. Decoding is greedy with plain
-``transformers`` (``AutoModelForCausalLM`` + ``AutoTokenizer`` + the chat template):
-the export needs nothing from veoptim to be used.
+the model learned rather than what it memorised. The answers are what
+``veoptim-generate EXPORT --prompt ...`` prints (``veoptim.export.generate``): the chat
+template, then greedy ``transformers`` ``generate``, token for token what plain
+``AutoModelForCausalLM`` + ``AutoTokenizer`` give (the export needs nothing from veoptim).
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ import random
 import sys
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from scripts.make_assets import make_turn
 from veoptim.data.paths import ASSETS_DIR, SFT_TRAIN_FILE
+from veoptim.export.generate import GenerateOptions, generate, load_model
 
 HELD_OUT_SEED = 777  # make_assets.py trains on SEED = 20240531
 
@@ -49,23 +48,10 @@ def held_out_pairs(count: int, seed: int = HELD_OUT_SEED) -> list[tuple[str, str
     raise RuntimeError(f"found only {len(pairs)} held-out prompts")
 
 
-@torch.no_grad()
-def answer(model, tokenizer, prompt: str, max_new_tokens: int = 16) -> str:
-    """The model's greedy reply to one user turn."""
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
-    out = model.generate(
-        **ids,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+def answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 16) -> list[str]:
+    """The model's greedy reply to each user turn (``veoptim-generate``'s decoding)."""
+    options = GenerateOptions(max_new_tokens=max_new_tokens)
+    return [c.text for c in generate(model, tokenizer, prompts, options)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,14 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (path / "config.json").is_file():
         print(f"error: {path} is not a Hugging Face model directory (no config.json).", file=sys.stderr)  # fmt: skip
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model, tokenizer = load_model(path)
     pairs = held_out_pairs(args.num)
+    replies = answers(model, tokenizer, [prompt for prompt, _ in pairs])
     width = max(len(p) for p, _ in pairs)
     correct = 0
     print(f"held-out prompts (not in the training data), greedy answers of {path}:")
-    for prompt, expected in pairs:
-        reply = answer(model, tokenizer, prompt)
+    for (prompt, expected), reply in zip(pairs, replies, strict=True):
         correct += reply == expected
         mark = "ok" if reply == expected else "--"
         print(f"{mark} {prompt:<{width}}  answer: {reply!r:<14} expected: {expected!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from veoptim.config.reference import config_keys, sections, task_sections
 from veoptim.lora.slots import MultiLoRAConfig
 from veoptim.objectives import DPOConfig, SFTConfig
+from veoptim.service.config import ServeConfig
 
 HEADER = """# Config reference
 
@@ -16,7 +17,8 @@ Generated from the config dataclasses (`veoptim/config/schema.py` and the SFT
 task's `veoptim/objectives/sft.py`) by `scripts/gen_config_docs.py`
 (`make docs`); a test fails when this page and the dataclasses disagree.
 Override any key on the command line: `python -m tasks.sft optim.lr=1e-4`.
-`tasks.dpo` and `tasks.multi_lora` share every section and change the ones listed at the end.
+`tasks.dpo`, `tasks.multi_lora` and `tasks.serve` share every section and change the ones
+listed at the end.
 Choose a config group file with `group=name` (e.g. `optim=master_fp32_adamw`,
 `model=tiny_moe`, `parallel=fsdp`, `scheduler=wsd`); the files live under
 `veoptim/configs/<group>/`.
@@ -56,6 +58,12 @@ def render() -> str:
         "Its config (`veoptim/lora/slots/config.py`) replaces `data` and adds `slots`; "
         "`lora.num_slots` and `lora.r` (each slot's maximum rank) matter there.",
         MultiLoRAConfig,
+    )
+    out += _task_sections(
+        "tasks.serve",
+        "Its config (`veoptim/service/config.py`) is the multi-LoRA config (each training "
+        "client is a slot) plus `serve`; see docs/service.md.",
+        ServeConfig,
     )
     return "\n".join(out) + "\n"
 

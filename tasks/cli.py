@@ -2,7 +2,9 @@
 
 Hydra's ``--help`` lists only config groups, so ``--help``/``-h`` is answered here, before
 Hydra parses the command line, by ``tasks/usage.py`` (every key, its type, default and
-meaning); Hydra's own help stays available as ``--hydra-help``.
+meaning); Hydra's own help stays available as ``--hydra-help``. A command line whose
+config does not compose (a mistyped key, group option or type) is answered with one line
+and exit status 2 by ``tasks/overrides.py``, also before Hydra runs.
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from tasks.compose import CONFIG_DIR
-from tasks.usage import config_name_of, render_help
 from veoptim.config import TrainerConfig, register_schema
+
+from .compose import CONFIG_DIR
+from .overrides import command_line_error, rank_prefix
+from .usage import config_name_of, render_help
 
 HELP_FLAGS = ("--help", "-h")
 
 
 def prog_name(task: str, argv0: str) -> str:
-    """``veoptim-sft`` when run as the installed command, else ``python -m tasks.sft``."""
+    """``veoptim-sft`` when run as the installed command, else ``python -m tasks.sft``
+    (``python -m veoptim.tasks.sft`` where the package is installed: see setup.py)."""
     name = Path(argv0).name
-    return name if name.startswith("veoptim-") else f"python -m tasks.{task}"
+    return name if name.startswith("veoptim-") else f"python -m {__package__}.{task}"
 
 
 def print_help(task: str, schema: type[TrainerConfig], argv: list[str]) -> int:
@@ -50,13 +55,19 @@ def task_command(
     register_schema(task, schema)
     # Hydra names the job after the task function's module: tasks.sft -> "sft" is
     # hydra.job.name (the run dir's sft.log, the task in launch.py's torchrun hint).
-    job.__module__ = f"tasks.{task}"
+    job.__module__ = f"{__package__}.{task}"
     hydra_main = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=task)(job)
 
     def main() -> None:
         argv = sys.argv[1:]
         if any(arg in HELP_FLAGS for arg in argv):
             sys.exit(print_help(task, schema, argv))
+        # Mistyped keys, unknown group options and wrong types: one line, exit 2, before
+        # Hydra (which would print 7-13 lines, exit 1 and advise '+key=...').
+        problem = command_line_error(task, schema, argv, prog_name(task, sys.argv[0]))
+        if problem:
+            print(f"{rank_prefix()}error: {problem}", file=sys.stderr)
+            sys.exit(2)
         hydra_main()
 
     return main

@@ -9,19 +9,24 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import veoptim
-from veoptim.config import TrainerConfig, to_config
+from veoptim.config import TrainerConfig, prefer_explicit, to_config
 
 #: The task configs ship inside the package, so an installed ``veoptim-sft`` finds them anywhere.
 CONFIG_DIR = Path(veoptim.__file__).resolve().parent / "configs"
 
 
 def compose_config(name: str = "sft", overrides: list[str] | None = None) -> DictConfig:
-    """Compose ``veoptim/configs/<name>.yaml`` with overrides, validated against the schema like the CLI."""
-    importlib.import_module(f"tasks.{name}")  # registers the task's schema
+    """Compose ``veoptim/configs/<name>.yaml`` with overrides, validated against the schema like
+    the CLI (a key the overrides give replaces its presets' alternative, as on the CLI)."""
+    importlib.import_module(f"{__package__}.{name}")  # registers the task's schema
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name=name, overrides=overrides or [])
+        cfg = compose(config_name=name, overrides=overrides or [])
+    prefer_explicit(cfg, overrides or [])  # e.g. a warmup_ratio replaces the preset's steps
+    return cfg
 
 
-def load_config(name: str = "sft", overrides: list[str] | None = None) -> TrainerConfig:
-    """``compose_config`` turned into the task's validated config dataclass."""
-    return to_config(compose_config(name, overrides))
+def load_config(
+    name: str = "sft", overrides: list[str] | None = None, *, resolve_model: bool = True
+) -> TrainerConfig:
+    """``compose_config`` turned into the task's validated config dataclass (``to_config``)."""
+    return to_config(compose_config(name, overrides), resolve_model=resolve_model)

@@ -1,7 +1,8 @@
 """Direct preference optimisation: ``python -m tasks.dpo [key=value ...]`` (or under torchrun)."""
 
-from tasks.runner import task_main
 from veoptim.objectives import DPOConfig
+
+from .runner import task_main
 
 main = task_main("dpo", DPOConfig)
 

@@ -1,7 +1,8 @@
 """Supervised fine-tuning: ``python -m tasks.sft [key=value ...]`` (or under torchrun)."""
 
-from tasks.runner import task_main
 from veoptim.objectives import SFTConfig
+
+from .runner import task_main
 
 main = task_main("sft", SFTConfig)
 

@@ -18,9 +18,10 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tasks.compose import CONFIG_DIR
 from veoptim.config import register_schema
 from veoptim.config.reference import config_keys, sections
+
+from .compose import CONFIG_DIR
 
 WIDTH = 100
 #: Config dirs that are not groups a user picks on the command line.
@@ -146,6 +147,21 @@ def render_help(task: str, schema: type, prog: str, config_name: str) -> str:
             out.append(f"    {k.key}: {short_type(k.type)} = {value}")
             out += _wrap(k.help, "        ")
     out += [
+        "",
+        "Mistakes:",
+        *_wrap(
+            "An unknown key (optim.lrr=1e-3), an unknown group option (optim=adamww) or a value "
+            "of the wrong type (train.max_steps=many) stops the command before anything runs: "
+            "one line naming the key and the closest known key (or the group's valid options, "
+            "or the expected type), exit status 2; under torchrun every rank prints that line "
+            "and exits before the process group starts. Invalid values (optim.lr=-1) are "
+            "refused the same way when the job starts. --cfg job prints the composed config "
+            "without validating its values (a config it prints may still be refused): to check "
+            "a run without training it, with its data and model paths, tokenizer and dataset, "
+            "add run.dry_run=true (it prints the plan: model, parameters, steps, batch sizes, "
+            "world size, checkpoint and run dirs).",
+            "  ",
+        ),
         "",
         "Hydra's own options (--cfg job prints the composed config, --info, --config-dir, ...):",
         f"  {prog} --hydra-help",

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: package (dotted prefix) -> packages it must never import (dotted prefixes).
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "veoptim": ("tasks", "callbacks"),
+    # (installed, tasks/ and callbacks/ are veoptim.tasks and veoptim.callbacks: setup.py)
+    "veoptim": ("tasks", "callbacks", "veoptim.tasks", "veoptim.callbacks"),
     "veoptim.checkpoint": (
         "veoptim.trainer",
         "veoptim.state",
@@ -46,6 +47,15 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     # The multi-LoRA slot runtime composes adapters, optimizers, checkpoints and exports;
     # it is a sibling of the Trainer, not built on it.
     "veoptim.lora.slots": ("veoptim.trainer", "veoptim.objectives"),
+    # The training service drives the slots only through SlotTrainer: no checkpoint,
+    # state or optimizer internals, and no single-model Trainer.
+    "veoptim.service": (
+        "veoptim.trainer",
+        "veoptim.objectives",
+        "veoptim.checkpoint",
+        "veoptim.state",
+        "veoptim.optim",
+    ),
 }
 #: package -> subpackages its rule does not govern (they have their own rule above).
 EXEMPT: dict[str, tuple[str, ...]] = {"veoptim.lora": ("veoptim.lora.slots",)}
@@ -108,9 +118,12 @@ def test_the_rules_catch_a_forbidden_import():
     assert violations("veoptim.data.extra", "from veoptim.models import build_model\n")
     assert violations("veoptim.trainer.extra", "from veoptim.objectives import SFTConfig\n")
     assert violations("veoptim.models.extra", "def f():\n    import callbacks\n")
+    assert violations("veoptim.models.extra", "from veoptim.callbacks import metrics\n")
     assert violations("veoptim.export.extra", "from veoptim.trainer import Trainer\n")
     assert not violations("veoptim.state.extra", "from veoptim.checkpoint import contents\n")
     assert not violations("tasks.extra", "from veoptim.trainer import Trainer\n")
     assert violations("veoptim.lora.extra", "from veoptim.optim import build_optimizer\n")
     assert not violations("veoptim.lora.slots.extra", "from veoptim.optim import build_optimizer\n")
     assert violations("veoptim.lora.slots.extra", "from veoptim.trainer import Trainer\n")
+    assert violations("veoptim.service.extra", "from veoptim.checkpoint import publish\n")
+    assert not violations("veoptim.service.extra", "from veoptim.lora.slots import SlotTrainer\n")

@@ -4,11 +4,15 @@ An installed command finds its configs, recipes and bundled model data inside th
 package, so a YAML or asset missing from the wheel breaks only installed users, never a
 checkout: build the wheel (from a copy, so the checkout gets no build/ dir) and read its
 file list. ``scripts/check_install.sh`` (CI) installs it and runs the commands for real.
+The checkout's top-level ``tasks/`` and ``callbacks/`` ship as ``veoptim.tasks`` and
+``veoptim.callbacks`` (setup.py): the wheel claims no top-level name but ``veoptim``.
 """
 
 from __future__ import annotations
 
 import configparser
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,13 +23,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: What the build reads (pyproject's packages and readme).
-SOURCES = ("pyproject.toml", "README.md", "veoptim", "tasks", "callbacks")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "veoptim", "tasks", "callbacks")
 COMMANDS = {
-    "veoptim-sft": "tasks.sft:main",
-    "veoptim-dpo": "tasks.dpo:main",
-    "veoptim-multi-lora": "tasks.multi_lora:main",
-    "veoptim-export": "tasks.export:main",
+    "veoptim-sft": "veoptim.tasks.sft:main",
+    "veoptim-dpo": "veoptim.tasks.dpo:main",
+    "veoptim-multi-lora": "veoptim.tasks.multi_lora:main",
+    "veoptim-export": "veoptim.tasks.export:main",
+    "veoptim-serve": "veoptim.tasks.serve:main",
+    "veoptim-generate": "veoptim.tasks.generate:main",
+    "veoptim-sweep-report": "veoptim.tasks.sweep_report:main",
 }
+#: checkout directory -> the package it is installed as
+INSTALLED_AS = {"veoptim": "veoptim", "tasks": "veoptim/tasks", "callbacks": "veoptim/callbacks"}
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +88,80 @@ def test_the_task_commands_are_console_scripts(wheel):
 def test_the_native_kernel_source_is_in_the_wheel(wheel):
     """The CPU optimizer kernel is compiled from its source at run time."""
     assert "veoptim/optim/native/adamw.c" in wheel.namelist()
+
+
+def test_the_wheel_claims_no_top_level_name_but_veoptim(wheel):
+    """No generic ``tasks`` or ``callbacks`` in a user's site-packages."""
+    names = wheel.namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"veoptim"}
+    (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+    assert wheel.read(top_level).decode().split() == ["veoptim"]
+
+
+def test_every_module_of_the_checkout_is_in_the_wheel_under_its_installed_name(wheel):
+    expected = {
+        f"{installed}/{path.relative_to(REPO / directory).as_posix()}"
+        for directory, installed in INSTALLED_AS.items()
+        for path in (REPO / directory).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    assert {"veoptim/tasks/sft.py", "veoptim/callbacks/__init__.py"} <= expected
+    assert sorted(expected - set(wheel.namelist())) == []
+
+
+def test_a_build_in_the_checkout_is_ignored_by_git():
+    """``pip install .`` writes build/ (setuptools' build_py) into the checkout."""
+    proc = subprocess.run(
+        ["git", "check-ignore", "build/lib/veoptim/__init__.py", "dist/veoptim.whl"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["build/lib/veoptim/__init__.py", "dist/veoptim.whl"]
+
+
+USER_CODE = """
+import json, os, sys
+import callbacks, tasks  # the user's own packages, beside the installed veoptim
+import veoptim.tasks.multi_lora, veoptim.tasks.runner, veoptim.tasks.sweep_report
+assert tasks.MINE and callbacks.MINE, "the user's packages were shadowed"
+assert veoptim.__file__.startswith(os.environ["SITE"]), veoptim.__file__
+mine = {"tasks", "callbacks"}
+assert not [m for m in sys.modules if m.split(".")[0] in mine and m not in mine], sorted(sys.modules)
+assert veoptim.tasks.runner.standard_callbacks.__module__ == "veoptim.callbacks"
+sys.exit(veoptim.tasks.sweep_report.main(["run", "--out", "report"]))
+"""
+
+
+def test_the_installed_package_leaves_a_users_own_tasks_and_callbacks_alone(wheel, tmp_path):
+    """The wheel unpacked as site-packages, run from a project with its own ``tasks`` and
+    ``callbacks`` packages: both stay the user's, the tasks and the sweep report run."""
+    site, user = tmp_path / "site", tmp_path / "user"
+    wheel.extractall(site)
+    for name in ("tasks", "callbacks"):
+        (user / name).mkdir(parents=True)
+        (user / name / "__init__.py").write_text("MINE = True\n")
+    (user / "run").mkdir()
+    records = [{"step": s, "loss": 3.0 / s, "lr": 1e-3, "tokens_per_s": 1.0} for s in (1, 2, 3)]
+    (user / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    env = {**os.environ, "PYTHONPATH": str(site), "SITE": str(site), "OMP_NUM_THREADS": "1"}
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+
+    def python(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args], cwd=user, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    proc = python("-c", USER_CODE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (user / "report" / "sweep.csv").is_file()
+    assert proc.stdout == (user / "report" / "sweep.md").read_text() and "| run" in proc.stdout
+    # The installed task module runs, and its torchrun hint names it.
+    proc = python(
+        "-m", "veoptim.tasks.sft", "parallel=fsdp_ep2", "run.dir=r", "logging.progress=false"
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    hint = "torchrun --standalone --nproc_per_node 2 -m veoptim.tasks.sft parallel=fsdp_ep2"
+    assert hint in proc.stdout + proc.stderr

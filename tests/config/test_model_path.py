@@ -103,7 +103,8 @@ def test_startup_log_names_the_loaded_architecture(tmp_path, tiny_overrides, cap
     with caplog.at_level(logging.INFO, logger="veoptim"):
         run_task(compose_sft(overrides))
     started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training ")]
-    assert len(started) == 1 and "hf_local (llama," in started[0], started
+    # The model's own path, not the preset's label (hf_local, or tiny_dense without model=).
+    assert len(started) == 1 and started[0].startswith(f"training {path} (llama,"), started
 
 
 def test_generic_tokenizer_next_to_a_qwen2_config_keeps_its_size(tmp_path):

@@ -44,7 +44,7 @@ def test_cli_rejects_plus_unknown_key_with_exit_code_2(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     output = proc.stdout + proc.stderr
-    assert "ConfigError: unknown config key optim.lrr" in output
+    assert "error: unknown config key optim.lrr" in output
     assert "Traceback" not in output
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

@@ -18,7 +18,7 @@ ASSISTANT = {"role": "assistant", "content": "yo"}
 BAD_LINES = {
     "invalid_json": ('{"prompt": "x", "response": ', "invalid JSON"),
     "not_an_object": ("[1, 2]", "expected a JSON object"),
-    "no_known_keys": ({"text": "hello"}, "expected a 'messages' list or 'prompt' and 'response'"),
+    "no_known_keys": ({"text": "hello"}, r"cannot tell the layout from the keys \['text'\]"),
     "prompt_without_response": ({"prompt": "x"}, "'response' is missing"),
     "response_not_a_string": ({"prompt": "x", "response": 5}, "'response' to be a string"),
     "messages_not_a_list": ({"messages": "hi"}, "non-empty list"),

@@ -374,7 +374,7 @@ def test_a_bad_alpaca_row_names_the_column(tokenizer, tmp_path):
         load(tmp_path / "a.parquet", tokenizer)
 
 
-def test_missing_columns_missing_files_and_unknown_settings(tokenizer, tmp_path):
+def test_missing_columns_missing_files_and_unknown_settings(tokenizer, tmp_path, write_jsonl):
     path = tmp_path / "a.parquet"
     datasets.Dataset.from_list(ALPACA).to_parquet(path)
     with pytest.raises(
@@ -393,8 +393,8 @@ def test_missing_columns_missing_files_and_unknown_settings(tokenizer, tmp_path)
         load(path, tokenizer, layout="openai")
     with pytest.raises(ConfigError, match="data.source must be one of"):
         load(path, tokenizer, source="hub")
-    with pytest.raises(ConfigError, match="data.source=jsonl reads the JSONL shapes"):
-        load(path, tokenizer, source="jsonl", layout="alpaca")
+    with pytest.raises(DataError, match=r"data.layout=sharegpt expects the key\(s\)"):
+        load(write_chats(write_jsonl, ALPACA_CHATS), tokenizer, source="jsonl", layout="sharegpt")
     missing = tmp_path / "nope.parquet"
     with pytest.raises(DataError, match=re.escape(f"SFT data file {missing} does not exist")):
         load(missing, tokenizer)

@@ -186,4 +186,4 @@ def test_peak_memory_is_about_one_full_model(tmp_path, dtype):
 
 def test_console_script_is_declared():
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert 'veoptim-export = "tasks.export:main"' in pyproject.split("[project.scripts]")[1]
+    assert 'veoptim-export = "veoptim.tasks.export:main"' in pyproject.split("[project.scripts]")[1]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import subprocess
 from pathlib import Path
+
+import pytest
+import yaml
 
 from tests.conftest import run_task_cli
 
@@ -17,13 +22,21 @@ def run_multi_lora_cli(args: list[str], cwd: Path) -> subprocess.CompletedProces
     return run_task_cli("multi_lora", args, cwd)
 
 
-def test_demo_trains_checks_continuation_and_exports(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One 12-step run of the demo (logging every 4 steps) and its run dir."""
+    tmp_path = tmp_path_factory.mktemp("multi_lora")
     run_dir = tmp_path / "run"
     proc = run_multi_lora_cli(
         [f"run.dir={run_dir}", "run.device=cpu", "train.max_steps=12", "train.micro_batch_size=4",
          "scheduler.warmup_steps=2", "optim.lr=1e-2", "logging.log_every=4"],
         tmp_path,
     )  # fmt: skip
+    return proc, run_dir
+
+
+def test_demo_trains_checks_continuation_and_exports(demo) -> None:
+    proc, run_dir = demo
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "exact continuation: OK" in out, out[-4000:]
@@ -44,3 +57,29 @@ def test_task_matching_no_prompt_exits_2_with_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in out, out[-4000:]
     errors = [line for line in out.splitlines() if "Error" in line]
     assert len(errors) == 1 and "DataError" in errors[0] and "'nomatch'" in errors[0], out
+
+
+def test_demo_writes_metrics_per_slot_and_the_resolved_config(demo) -> None:
+    """Like every task: ``metrics.jsonl`` (a record per task slot at each logged step) and
+    the resolved ``config.yaml`` in the run dir."""
+    proc, run_dir = demo
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tasks = {0: "Uppercase", 1: "Reverse", 2: "What is"}
+    assert sorted((r["slot"], r["step"]) for r in records) == [
+        (slot, step) for slot in tasks for step in (4, 8, 12)
+    ]
+    for r in records:
+        assert set(r) == {"step", "slot", "task", "loss", "lr", "grad_norm", "tokens"}, r
+        assert r["task"] == tasks[r["slot"]]
+        assert r["loss"] > 0 and 0 < r["lr"] <= 1e-2 and math.isfinite(r["grad_norm"])
+        assert r["tokens"] > 0
+    last = {int(slot): float(last) for slot, _, last in SUMMARY.findall(out)}
+    for r in records:
+        if r["step"] == 12:  # the summary's last loss is the slot's last record
+            assert f"{r['loss']:.4f}" == f"{last[r['slot']]:.4f}"
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["run"]["dir"] == str(run_dir)
+    assert config["train"]["max_steps"] == 12 and config["lora"]["num_slots"] == 4
+    assert config["data"]["tasks"] == list(tasks.values())

@@ -39,7 +39,7 @@ DPO = [r for r in RECIPES if task_of(r) == "dpo"]
 
 def load(recipe: str, *overrides: str):
     """The validated config of a recipe, with a placeholder model.path (set or not)."""
-    return to_config(compose_recipe(recipe, [PLACEHOLDER_PATH, *overrides]))
+    return to_config(compose_recipe(recipe, [PLACEHOLDER_PATH, *overrides]), resolve_model=False)
 
 
 def check_batches(train, dp_size: int) -> int:
@@ -109,12 +109,12 @@ def test_a_model_whose_expert_count_ep_does_not_divide_is_refused(recipe):
 def test_an_unset_model_path_stops_with_the_message(recipe):
     overrides = [] if task_of(recipe) == "sft" else ["model.path="]
     with pytest.raises(ConfigError, match=r"model\.path is required with model=hf_local"):
-        to_config(compose_recipe(recipe, overrides))
+        to_config(compose_recipe(recipe, overrides), resolve_model=False)
 
 
 @pytest.mark.parametrize("recipe", DPO)
 def test_dpo_starts_from_the_export_of_its_sft_recipe(recipe):
-    dpo = to_config(compose_recipe(recipe))
+    dpo = to_config(compose_recipe(recipe), resolve_model=False)
     sft = load(recipe.replace("_dpo_", "_sft_"))
     assert dpo.model.path == f"{sft.run.dir}/exports/hf_final"
     assert (dpo.dpo.loss, dpo.dpo.beta, dpo.dpo.label_smoothing) == ("sigmoid", 0.1, 0.0)

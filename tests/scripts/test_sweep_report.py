@@ -1,10 +1,11 @@
-"""``scripts/sweep_report.py`` on a real two-run Hydra sweep, its error messages, and resumes."""
+"""``scripts/sweep_report.py`` (a wrapper of ``tasks/sweep_report.py``) on a real sweep, errors, resumes."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -13,7 +14,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.sweep_report import PNG_SIZE, label_runs, load_run, loss_figure, smooth, table_rows
+from tasks.sweep_report import (
+    PNG_SIZE,
+    find_runs,
+    label_runs,
+    load_run,
+    loss_figure,
+    smooth,
+    table_rows,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "sweep_report.py"
@@ -187,3 +196,29 @@ def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path):
     proc = report(tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "torn last line" in proc.stderr and f"{tmp_path / 'metrics.jsonl'}:2" in proc.stderr
+
+
+def test_a_sweep_written_into_a_run_dir_reports_the_run_and_every_job(sweep, tmp_path):
+    """README's flow: ``make demo`` writes runs/sft, then ``python -m tasks.sft -m
+    optim.lr=1e-3,3e-3`` writes runs/sft/0 and runs/sft/1: all three are reported."""
+    root = tmp_path / "sft"
+    cmd = [sys.executable, "-m", "tasks.sft", f"run.dir={root}", "run.device=cpu",
+           "train.max_steps=3", "scheduler.warmup_steps=0", "train.global_batch_size=4",
+           "train.micro_batch_size=4", "logging.progress=false", "export.hf=false",
+           "checkpoint.save_at_end=false"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job in ("0", "1"):  # the sweep's real job dirs, as the sweep writes them under root
+        shutil.copytree(sweep / job, root / job)
+    assert [name for _, name in find_runs(root)] == ["sft", "sft/0", "sft/1"]
+
+    proc = report(root, "--out", tmp_path / "report")
+    assert proc.returncode == 0, proc.stderr
+    with (tmp_path / "report" / "sweep.csv").open() as handle:
+        table = list(csv.DictReader(handle))
+    got = sorted((int(row["last_step"]), float(row["final_loss"])) for row in table)
+    want = sorted(
+        (last_record(d)["step"], last_record(d)["loss"]) for d in (root, root / "0", root / "1")
+    )
+    assert got == want and [step for step, _ in got] == [3, 6, 6]
+    assert len({row["run"] for row in table}) == 3  # each labelled apart

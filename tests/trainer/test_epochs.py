@@ -97,7 +97,8 @@ def test_default_run_length_is_unchanged():
     cfg = load_config("sft", ["run.device=cpu"])
     assert (cfg.train.max_steps, cfg.train.epochs) == (0, 0)
     assert cfg.train.total_steps(steps_per_epoch=187) == DEFAULT_MAX_STEPS == 1000
-    assert load_config("dpo", []).train.total_steps(steps_per_epoch=187) == 100
+    dpo = load_config("dpo", [], resolve_model=False)  # its default base is the demo's export
+    assert dpo.train.total_steps(steps_per_epoch=187) == 100
 
 
 @pytest.mark.parametrize(
@@ -105,7 +106,10 @@ def test_default_run_length_is_unchanged():
     [
         (["train.max_steps=10", "train.epochs=2"], ["train.max_steps", "train.epochs"]),
         (["train.epochs=-1"], ["train.epochs"]),
-        (["scheduler.warmup_ratio=0.1"], ["scheduler.warmup_ratio", "scheduler.warmup_steps"]),
+        (
+            ["scheduler.warmup_steps=5", "scheduler.warmup_ratio=0.1"],
+            ["scheduler.warmup_ratio", "scheduler.warmup_steps"],
+        ),
         (["scheduler.warmup_steps=0", "scheduler.warmup_ratio=1.0"], ["scheduler.warmup_ratio"]),
         (["data.eval_fraction=1.0"], ["data.eval_fraction"]),
         (["data.eval_fraction=0.1", "data.eval_path=x.jsonl"], ["data.eval_path", "data.eval_fraction"]),

@@ -22,8 +22,13 @@ OFFLINE = "logging.wandb.mode=offline"
 
 
 def _offline_ids(run_dir: Path) -> list[str]:
-    """The run id of every offline wandb run in the run dir, oldest first."""
-    return [p.name.rsplit("-", 1)[1] for p in sorted((run_dir / "wandb").glob("offline-run-*"))]
+    """The run id of every offline wandb run in the run dir, oldest first. The id is read
+    from the run's ``run-<id>.wandb`` file, not the dir name (two runs of one id started in
+    the same second get dirs ``…-<id>`` and ``…-<id>-1``); slices run one after another, so
+    the order of their files' last writes is the order of the runs."""
+    files = [f for d in (run_dir / "wandb").glob("offline-run-*") for f in d.glob("run-*.wandb")]
+    files.sort(key=lambda f: f.stat().st_mtime_ns)
+    return [f.name.removeprefix("run-").removesuffix(".wandb") for f in files]
 
 
 def _saved_id(run_dir: Path, step: int) -> str:

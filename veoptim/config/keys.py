@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from dataclasses import fields, is_dataclass
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -64,12 +65,18 @@ def _all_keys(node: DictConfig | ListConfig, prefix: str = "") -> list[str]:
 def _suggestion(key: str, known: list[str], every_key: list[str]) -> str:
     """' (did you mean optim.lr?)' for the closest known key, or the keys at that level."""
     parent, _, leaf = _INDEX.sub("", key).rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    named = [k for k in known if leaf in k.split("_") and k != leaf]  # data.path: *_path
+    if named:
+        names = [prefix + k for k in named]
+        listed = " or ".join(names) if len(names) < 3 else "one of " + ", ".join(names)
+        return f"did you mean {listed}?"
     leaves = {k.rpartition(".")[2]: k for k in every_key}
     if leaf in leaves and leaf not in known:  # the right name in another section (+lr=...)
         return f"did you mean {leaves[leaf]}?"
     close = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
     if close:
-        return f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+        return f"did you mean {prefix}{close[0]}?"
     close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
     if close:
         return f"did you mean {leaves[close[0]]}?"
@@ -94,3 +101,26 @@ def check_known_keys(cfg: DictConfig) -> None:
         f"declares no such key (a '+' override adds it anyway, and its value would be "
         f"silently ignored); {details}"
     )
+
+
+def schema_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key a config dataclass declares, sections included (``optim``, ``optim.lr``)."""
+    keys: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        dotted = f"{prefix}{f.name}"
+        keys.append(dotted)
+        if is_dataclass(hints[f.name]):
+            keys += schema_keys(hints[f.name], f"{dotted}.")
+    return keys
+
+
+def suggest_key(key: str, schema: type) -> str:
+    """``did you mean optim.lr?`` for an unknown ``optim.lrr`` of ``schema`` (or the known keys)."""
+    parent = _INDEX.sub("", key).rpartition(".")[0]
+    cls: type | None = schema
+    for part in parent.split(".") if parent else []:
+        tp = typing.get_type_hints(cls).get(part) if cls else None
+        cls = tp if isinstance(tp, type) and is_dataclass(tp) else None
+    known = [f.name for f in fields(cls)] if cls else []
+    return _suggestion(key, known, [k for k in schema_keys(schema) if k != key])

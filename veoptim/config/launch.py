@@ -8,6 +8,7 @@ which does not tell a new user that the fix is to launch it with torchrun.
 from __future__ import annotations
 
 import shlex
+import sys
 
 from hydra.core.hydra_config import HydraConfig
 
@@ -28,14 +29,17 @@ def min_world_size(parallel: ParallelConfig) -> int:
 def launch_command(nproc: int) -> str:
     """``torchrun ... -m tasks.<task> <this run's overrides>`` (from Hydra when it runs).
 
-    The task is Hydra's job name (``tasks/cli.py`` names each job after its task), so the
-    hint is the same whether this process is ``python -m tasks.sft`` or the installed
-    ``veoptim-sft``: ``-m tasks.sft`` works in a checkout and in an installed package.
+    The task is Hydra's job name (``tasks/cli.py`` names each job after its task), in the
+    package that runs: ``-m tasks.sft`` in a checkout, ``-m veoptim.tasks.sft`` where the
+    package is installed (``veoptim-sft``; setup.py ships ``tasks/`` as ``veoptim.tasks``).
     """
-    task, overrides = "tasks.<task>", "<your overrides>"
+    package = "veoptim.tasks" if "veoptim.tasks" in sys.modules else "tasks"
+    task, overrides = f"{package}.<task>", "<your overrides>"
     if HydraConfig.initialized():  # a task command (not a programmatic compose)
         hydra = HydraConfig.get()
-        task = f"tasks.{hydra.job.name}"  # runs veoptim/configs/<task>.yaml unless told otherwise
+        task = (
+            f"{package}.{hydra.job.name}"  # runs veoptim/configs/<task>.yaml unless told otherwise
+        )
         if hydra.job.config_name != hydra.job.name:  # e.g. a recipe
             task += f" --config-name {shlex.quote(hydra.job.config_name)}"
         overrides = " ".join(shlex.quote(o) for o in hydra.overrides.task)

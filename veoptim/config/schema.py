@@ -36,6 +36,12 @@ class RunConfig:
     device: str = opt(
         "auto", "Compute device: auto | cpu | cuda | npu (auto = cuda if available, else cpu)."
     )
+    dry_run: bool = opt(
+        False,
+        "Check the run without training: validate the config, resolve the data and model "
+        "paths, build the tokenizer and the dataset index, print the plan (model, parameters, "
+        "steps, batch sizes, world size, checkpoint and run dirs) and exit; writes no checkpoint.",
+    )
 
 
 @dataclass
@@ -43,8 +49,19 @@ class ModelConfig:
     name: str = opt("tiny_dense", "Label of the model preset (informational).")
     path: str = opt(
         "",
-        "Local Hugging Face model directory to load instead of building from config "
+        "Hugging Face model to load instead of building from config: a local model directory, "
+        "or a Hub id (org/name) taken from the local Hub cache or downloaded into it "
         "(required with model=hf_local; its tokenizer is used unless data.tokenizer_path is set).",
+    )
+    revision: str = opt(
+        "",
+        "Hub models (model.path=org/name): the branch, tag or commit to load (empty = main); "
+        "the resolved config pins the commit it resolved to.",
+    )
+    hub_id: str = opt(
+        "",
+        "Set by veoptim when model.path names a Hub model: the id (model.path then holds its "
+        "snapshot directory in the Hub cache, model.revision the commit).",
     )
     arch: str = opt("qwen2", "Architecture built from config: qwen2 | qwen2_moe | qwen3_moe.")
     hidden_size: int = opt(64, "Hidden size of the built model.")
@@ -176,12 +193,15 @@ class OptimConfig:
 class SchedulerConfig:
     name: str = opt("cosine", "constant | linear | cosine | wsd (warmup-stable-decay).")
     warmup_steps: int = opt(
-        10, "Linear warmup steps up to the peak LR (>= max_steps: the whole run warms up)."
+        10,
+        "Linear warmup steps up to the peak LR (>= max_steps: the whole run warms up); given "
+        "on the command line, it replaces a preset's warmup_ratio.",
     )
     warmup_ratio: float = opt(
         0.0,
         "Warmup as a fraction of the run's steps, in [0, 1), instead of warmup_steps "
-        "(0 = use warmup_steps; with a ratio, set scheduler.warmup_steps=0).",
+        "(0 = use warmup_steps); given on the command line, it replaces the preset's "
+        "warmup_steps (both given: an error).",
     )
     min_lr_ratio: float = opt(0.1, "Final LR as a fraction of the peak (linear, cosine, wsd).")
     decay_ratio: float = opt(0.2, "wsd: fraction of max_steps spent in the final decay.")

@@ -6,6 +6,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from veoptim.config.keys import check_known_keys
+from veoptim.config.model_source import resolve_model_source
 from veoptim.config.schema import TrainerConfig
 from veoptim.config.validate import validate_config
 from veoptim.errors import ConfigError
@@ -21,11 +22,14 @@ def register_schema(task: str, schema: type[TrainerConfig]) -> None:
     ConfigStore.instance().store(name=schema_name(task), node=schema)
 
 
-def to_config(cfg: DictConfig) -> TrainerConfig:
+def to_config(cfg: DictConfig, *, resolve_model: bool = True) -> TrainerConfig:
     """Convert a config composed with a task schema to its validated dataclass (ConfigError).
 
     Keys the schema does not declare (``+optim.lrr=...``) are rejected first: the
-    conversion would drop them silently.
+    conversion would drop them silently. ``model.path`` is then resolved on this machine
+    (a Hub id becomes its pinned snapshot, a missing directory is refused);
+    ``resolve_model=False`` validates a config meant for another machine, such as a
+    recipe whose model lives on the cluster.
     """
     check_known_keys(cfg)
     obj = OmegaConf.to_object(cfg)
@@ -35,4 +39,6 @@ def to_config(cfg: DictConfig) -> TrainerConfig:
             f"<task>_schema first in its defaults (found {type(obj).__name__})."
         )
     validate_config(obj)
+    if resolve_model:
+        resolve_model_source(obj.model)  # a Hub id becomes its pinned snapshot directory
     return obj

@@ -118,8 +118,8 @@ def _validate_length_and_eval(cfg: TrainerConfig) -> None:
     if scheduler.warmup_ratio and scheduler.warmup_steps:
         raise ConfigError(
             f"scheduler.warmup_ratio ({scheduler.warmup_ratio}) and scheduler.warmup_steps "
-            f"({scheduler.warmup_steps}) both set the warmup; set only one "
-            "(scheduler.warmup_steps=0 to use the ratio)."
+            f"({scheduler.warmup_steps}) both set the warmup; give only one (either one alone "
+            "on the command line replaces the other's preset value)."
         )
     if not 0.0 <= data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {data.eval_fraction}.")

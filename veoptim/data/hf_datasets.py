@@ -61,6 +61,9 @@ FEATURES = datasets.Features(
         FIRST_TRAINED: datasets.Value("int64"),
     }
 )
+#: Text files up to this size are checked for being empty before ``datasets`` reads them.
+EMPTY_PROBE_BYTES = 4096
+JSON_SHAPE = "a JSON array of objects or one JSON object per line"
 EXPECTED = (
     f"a {'/'.join(sorted(FILE_BUILDERS))} file, a save_to_disk directory or the name of a "
     "dataset in the local Hugging Face datasets cache"
@@ -69,6 +72,14 @@ EXPECTED = (
 
 def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+
+
+def _is_empty_text(file: Path) -> bool:
+    """A JSON(L) or CSV file with nothing to read: no bytes, only whitespace or ``[]``
+    (``datasets`` fails on those with an empty ``StopIteration`` or a "no data" split)."""
+    if file.stat().st_size > EMPTY_PROBE_BYTES:
+        return False
+    return "".join(file.read_bytes().decode("utf-8", "replace").split()) in ("", "[]")
 
 
 def _looks_like_path(path: str) -> bool:
@@ -115,6 +126,11 @@ def open_dataset(
                 raise DataError(
                     f"{what} file {path} has the unsupported extension {local.suffix!r}; "
                     f"expected {EXPECTED}."
+                )
+            if builder in ("json", "csv") and _is_empty_text(local):
+                shape = "a header line and rows" if builder == "csv" else JSON_SHAPE
+                raise DataError(
+                    f"{what} file {path} is empty: it holds no rows (expected {shape})."
                 )
             return datasets.load_dataset(builder, data_files={"train": str(local)}, split=split)
         if local.is_dir():

@@ -1,44 +1,36 @@
-"""Dataset layouts: one row of a ``datasets`` table -> one validated conversation.
+"""Dataset layouts: the one table every SFT reader maps a record (a JSONL line, a
+``datasets`` row) into a validated conversation with.
 
-Each layout turns a row into the ``[{"role", "content"}, ...]`` messages the JSONL reader
-produces, so tokenization, labelling, packing and truncation reporting are shared:
+Each layout turns a record into the ``[{"role", "content"}, ...]`` messages of
+``veoptim/data/messages.py``, so tokenization, labelling, packing and truncation reporting
+are shared:
 
 - ``messages``: a ``messages`` list of ``{role, content}`` (OpenAI / TRL conversational);
-- ``prompt_response``: ``prompt`` and ``response`` strings (TRL's ``completion`` is
-  detected as the response), optional ``system``;
+- ``sharegpt``: a ``conversations`` list of ``{from, value}`` entries (LLaMA-Factory's
+  ShareGPT), optional ``system``; ``from`` names map to roles by :data:`SHAREGPT_ROLES`;
 - ``alpaca``: ``instruction``, optional ``input`` (appended to the instruction after a
   newline, as LLaMA-Factory does), ``output``, optional ``system`` and ``history`` (earlier
   ``[instruction, output]`` pairs);
-- ``sharegpt``: a ``conversations`` list of ``{from, value}`` entries (LLaMA-Factory's
-  ShareGPT), optional ``system``; ``from`` names map to roles by :data:`SHAREGPT_ROLES`.
+- ``prompt_response``: ``prompt`` and ``response`` strings (TRL's ``completion`` is
+  detected as the response), optional ``system``.
 
-Column names (and ShareGPT's entry keys ``role_tag``/``content_tag``) can be renamed.
+:data:`TABLE` lists them in the order ``data.layout=auto`` tries them: the ``datasets``
+reader detects one layout from a dataset's columns, the JSONL reader one per line from its
+keys (so a file may mix layouts). Column names (and ShareGPT's entry keys
+``role_tag``/``content_tag``) can be renamed with ``data.columns.<name>``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from veoptim.data.chat_format import ROLE_ASSISTANT, ROLE_SYSTEM, ROLE_TOOL, ROLE_USER
-from veoptim.data.records import KEY_CONTENT, KEY_ROLE, Message, validate_messages
-from veoptim.data.sources import LAYOUT_AUTO, LAYOUTS
+from veoptim.data.messages import KEY_CONTENT, KEY_ROLE, Message, validate_messages
 from veoptim.errors import ConfigError, DataError
 
-#: Canonical columns of each layout: required ones first, then optional ones.
-REQUIRED: dict[str, tuple[str, ...]] = {
-    "messages": ("messages",),
-    "prompt_response": ("prompt", "response"),
-    "alpaca": ("instruction", "output"),
-    "sharegpt": ("conversations",),
-}
-OPTIONAL: dict[str, tuple[str, ...]] = {
-    "messages": (),
-    "prompt_response": ("system",),
-    "alpaca": ("input", "system", "history"),
-    "sharegpt": ("system",),
-}
+LAYOUT_AUTO = "auto"
 #: ShareGPT's keys inside each entry (canonical -> default), renamable like columns.
 ENTRY_KEYS = {"role_tag": "from", "content_tag": "value"}
 #: ShareGPT ``from`` values (LLaMA-Factory's tags, OpenAI's roles) and the role each becomes.
@@ -57,67 +49,13 @@ SHAREGPT_ROLES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Layout:
-    """A layout bound to one dataset: canonical name -> its column (present ones only)."""
+    """A layout bound to one dataset (or JSONL line): canonical name -> its column (present
+    ones only)."""
 
     name: str
     columns: dict[str, str]
     role_tag: str = ENTRY_KEYS["role_tag"]
     content_tag: str = ENTRY_KEYS["content_tag"]
-
-
-def detect_layout(column_names: Sequence[str], source: str) -> tuple[str, dict[str, str]]:
-    """The layout (and renames) a dataset's columns imply, for ``data.layout=auto``."""
-    names = set(column_names)
-    if "messages" in names:
-        return "messages", {}
-    if "conversations" in names:
-        return "sharegpt", {}
-    if {"instruction", "output"} <= names:
-        return "alpaca", {}
-    if {"prompt", "response"} <= names:
-        return "prompt_response", {}
-    if {"prompt", "completion"} <= names:
-        return "prompt_response", {"response": "completion"}
-    raise DataError(
-        f"{source}: cannot tell the layout from the columns {sorted(names)}; expected "
-        "'messages' (messages), 'conversations' (sharegpt), 'instruction' and 'output' (alpaca) "
-        "or 'prompt' and 'response'/'completion' (prompt_response); set data.layout and "
-        "data.columns."
-    )
-
-
-def resolve_layout(
-    layout: str, renames: Mapping[str, str], column_names: Sequence[str], source: str
-) -> Layout:
-    """Bind ``layout`` ('auto' = detected) to the dataset's columns; ``ConfigError`` for a
-    rename the layout has no use for, ``DataError`` for a column the data lacks."""
-    if layout == LAYOUT_AUTO:
-        if renames:
-            raise ConfigError(
-                f"data.columns ({dict(renames)}) renames the columns of a layout; set "
-                f"data.layout to one of {list(LAYOUTS)} as well."
-            )
-        layout, renames = detect_layout(column_names, source)
-    known = (
-        REQUIRED[layout] + OPTIONAL[layout] + (tuple(ENTRY_KEYS) if layout == "sharegpt" else ())
-    )
-    unknown = sorted(set(renames) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"data.columns.{unknown[0]} is not a column of data.layout={layout}; expected some "
-            f"of {list(known)}."
-        )
-    named = {c: renames.get(c) or c for c in REQUIRED[layout] + OPTIONAL[layout]}
-    wanted = list(REQUIRED[layout]) + [c for c in OPTIONAL[layout] if renames.get(c)]
-    missing = [named[c] for c in wanted if named[c] not in column_names]
-    if missing:
-        raise DataError(
-            f"{source}: data.layout={layout} expects the column(s) {missing}, found columns "
-            f"{sorted(column_names)}; map yours with data.columns.<name>=<column>."
-        )
-    columns = {c: col for c, col in named.items() if col in column_names}
-    tags = {k: renames.get(k) or v for k, v in ENTRY_KEYS.items()}
-    return Layout(layout, columns, tags["role_tag"], tags["content_tag"])
 
 
 def _text(row: Mapping[str, Any], column: str, where: str, optional: bool = False) -> str:
@@ -212,14 +150,137 @@ def _sharegpt(layout: Layout, row: Mapping[str, Any], where: str) -> list[Messag
     return messages
 
 
-_CONVERTERS: dict[str, Callable[[Layout, Mapping[str, Any], str], Any]] = {
-    "messages": _messages,
-    "prompt_response": _prompt_response,
-    "alpaca": _alpaca,
-    "sharegpt": _sharegpt,
-}
+@dataclass(frozen=True)
+class LayoutSpec:
+    """One row of the layout table."""
+
+    name: str
+    #: Canonical columns: the required ones, then the optional ones.
+    required: tuple[str, ...]
+    optional: tuple[str, ...]
+    convert: Callable[[Layout, Mapping[str, Any], str], Any]
+    #: Another name ``data.layout=auto`` accepts for a required column (TRL's 'completion').
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def renamable(self) -> tuple[str, ...]:
+        """The ``data.columns.<name>`` keys this layout reads."""
+        entry = tuple(ENTRY_KEYS) if self.name == "sharegpt" else ()
+        return self.required + self.optional + entry
+
+    def describe(self) -> str:
+        """Its required columns as a user reads them: 'prompt' and 'response'/'completion'."""
+        names = [
+            f"'{c}'/'{self.aliases[c]}'" if c in self.aliases else f"'{c}'" for c in self.required
+        ]
+        return " and ".join(names)
+
+
+#: Every layout, in the order ``data.layout=auto`` tries them (first whose columns all exist).
+TABLE: tuple[LayoutSpec, ...] = (
+    LayoutSpec("messages", ("messages",), (), _messages),
+    LayoutSpec("sharegpt", ("conversations",), ("system",), _sharegpt),
+    LayoutSpec("alpaca", ("instruction", "output"), ("input", "system", "history"), _alpaca),
+    LayoutSpec(
+        "prompt_response",
+        ("prompt", "response"),
+        ("system",),
+        _prompt_response,
+        {"response": "completion"},
+    ),
+)
+SPECS: dict[str, LayoutSpec] = {spec.name: spec for spec in TABLE}
+#: The values of ``data.layout`` besides ``auto``.
+LAYOUTS: tuple[str, ...] = tuple(SPECS)
+#: Canonical columns of each layout: required ones first, then optional ones.
+REQUIRED: dict[str, tuple[str, ...]] = {spec.name: spec.required for spec in TABLE}
+OPTIONAL: dict[str, tuple[str, ...]] = {spec.name: spec.optional for spec in TABLE}
+#: What ``data.layout=auto`` recognises, for error messages.
+DETECTED = ", ".join(f"{spec.describe()} ({spec.name})" for spec in TABLE)
+#: How to read data whose names differ, for error messages.
+MAPPING_HINT = (
+    f"set data.layout to one of {list(LAYOUTS)} and name your fields with "
+    "data.columns.<name>=<yours> (e.g. data.layout=alpaca data.columns.instruction=question "
+    "data.columns.output=answer)"
+)
+
+
+def _present(spec: LayoutSpec, names: set[str]) -> dict[str, str]:
+    """Each required column of ``spec`` that ``names`` holds -> the name it has there."""
+    found = {}
+    for column in spec.required:
+        alias = spec.aliases.get(column)
+        if column in names:
+            found[column] = column
+        elif alias in names:
+            found[column] = alias
+    return found
+
+
+def detect_layout(
+    column_names: Sequence[str], source: str, noun: str = "column"
+) -> tuple[str, dict[str, str]]:
+    """The layout (and renames) the columns (a JSONL line: its keys, ``noun="key"``) imply,
+    for ``data.layout=auto``; ``DataError`` naming the layouts and the keys that map yours."""
+    names = set(column_names)
+    for spec in TABLE:
+        found = _present(spec, names)
+        if len(found) == len(spec.required):
+            return spec.name, {c: n for c, n in found.items() if c != n}
+    for spec in TABLE:
+        found = _present(spec, names)
+        if found:
+            missing = next(c for c in spec.required if c not in found)
+            raise DataError(
+                f"{source}: '{missing}' is missing: {sorted(found.values())} is a {noun} of the "
+                f"{spec.name} layout, which needs {spec.describe()}; found {noun}s "
+                f"{sorted(names)}. If yours is named differently, set data.layout={spec.name} "
+                f"data.columns.{missing}=<your {noun}>."
+            )
+    raise DataError(
+        f"{source}: cannot tell the layout from the {noun}s {sorted(names)}; data.layout=auto "
+        f"reads {DETECTED}. For other names {MAPPING_HINT}."
+    )
+
+
+def resolve_layout(
+    layout: str,
+    renames: Mapping[str, str],
+    column_names: Sequence[str],
+    source: str,
+    noun: str = "column",
+) -> Layout:
+    """Bind ``layout`` ('auto' = detected) to the dataset's columns (a JSONL line's keys,
+    ``noun="key"``); ``ConfigError`` for a rename the layout has no use for, ``DataError``
+    for a column the data lacks."""
+    if layout == LAYOUT_AUTO:
+        if renames:
+            raise ConfigError(
+                f"data.columns ({dict(renames)}) renames the columns of a layout; set "
+                f"data.layout to one of {list(LAYOUTS)} as well."
+            )
+        layout, renames = detect_layout(column_names, source, noun)
+    spec = SPECS[layout]
+    known = spec.renamable
+    unknown = sorted(set(renames) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"data.columns.{unknown[0]} is not a column of data.layout={layout}; expected some "
+            f"of {list(known)}."
+        )
+    named = {c: renames.get(c) or c for c in spec.required + spec.optional}
+    wanted = list(spec.required) + [c for c in spec.optional if renames.get(c)]
+    missing = [named[c] for c in wanted if named[c] not in column_names]
+    if missing:
+        raise DataError(
+            f"{source}: data.layout={layout} expects the {noun}(s) {missing}, found {noun}s "
+            f"{sorted(column_names)}; map yours with data.columns.<name>=<{noun}>."
+        )
+    columns = {c: col for c, col in named.items() if col in column_names}
+    tags = {k: renames.get(k) or v for k, v in ENTRY_KEYS.items()}
+    return Layout(layout, columns, tags["role_tag"], tags["content_tag"])
 
 
 def row_messages(layout: Layout, row: Mapping[str, Any], where: str) -> list[Message]:
     """The validated conversation of ``row`` (``where`` names it in errors)."""
-    return validate_messages(_CONVERTERS[layout.name](layout, row, where), where)
+    return validate_messages(SPECS[layout.name].convert(layout, row, where), where)

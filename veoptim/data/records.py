@@ -1,34 +1,40 @@
 """Read SFT JSONL into validated conversations, naming the file and line of any bad record.
 
-Two record shapes are accepted (per line, so a file may mix them):
-
-- chat: ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}``
-  with roles ``system`` (first message only), ``user``, ``assistant`` and ``tool`` (a
-  tool's output: it follows an assistant or another tool message); at least one
-  assistant message, and the conversation ends with one.
-- pair: ``{"prompt": "...", "response": "..."}``, read as a one-turn chat.
-
-Other keys on a line are ignored. Blank lines are skipped.
+Each line is one record in any layout of the layout table (``veoptim/data/layouts.py``, the
+same table the ``datasets`` reader uses): ``messages``, ShareGPT ``conversations``, Alpaca
+``instruction``/``input``/``output``, ``prompt``/``response`` or ``prompt``/``completion``.
+With ``data.layout=auto`` the layout is detected per line from its keys, so a file may mix
+them; a named layout (with ``data.columns`` renames) reads every line the same way. Keys a
+layout does not use are ignored. Blank lines are skipped.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from veoptim.data.chat_format import ROLE_ASSISTANT, ROLE_SYSTEM, ROLE_TOOL, ROLE_USER, ROLES
+from veoptim.data.layouts import LAYOUT_AUTO, Layout, resolve_layout, row_messages
+from veoptim.data.messages import KEY_CONTENT, KEY_MESSAGES, KEY_ROLE, Message, validate_messages
 from veoptim.errors import DataError
 
-KEY_MESSAGES = "messages"
 KEY_PROMPT = "prompt"
 KEY_RESPONSE = "response"
-KEY_ROLE = "role"
-KEY_CONTENT = "content"
 
-Message = dict[str, str]
+__all__ = [
+    "KEY_CONTENT",
+    "KEY_MESSAGES",
+    "KEY_PROMPT",
+    "KEY_RESPONSE",
+    "KEY_ROLE",
+    "Conversation",
+    "Message",
+    "jsonl_records",
+    "read_conversations",
+    "validate_messages",
+]
 
 
 @dataclass(frozen=True)
@@ -37,71 +43,6 @@ class Conversation:
 
     messages: list[Message]
     line: int
-
-
-def _messages_from_record(record: Any, where: str) -> list[Message]:
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object, found {type(record).__name__}.")
-    if KEY_MESSAGES in record:
-        return validate_messages(record[KEY_MESSAGES], where)
-    if KEY_PROMPT in record or KEY_RESPONSE in record:
-        for key in (KEY_PROMPT, KEY_RESPONSE):
-            if key not in record:
-                raise DataError(
-                    f"{where}: expected both 'prompt' and 'response', '{key}' is missing."
-                )
-            if not isinstance(record[key], str):
-                raise DataError(
-                    f"{where}: expected '{key}' to be a string, found {type(record[key]).__name__}."
-                )
-        return [
-            {KEY_ROLE: ROLE_USER, KEY_CONTENT: record[KEY_PROMPT]},
-            {KEY_ROLE: ROLE_ASSISTANT, KEY_CONTENT: record[KEY_RESPONSE]},
-        ]
-    raise DataError(
-        f"{where}: expected a 'messages' list or 'prompt' and 'response' strings, "
-        f"found keys {sorted(record)}."
-    )
-
-
-def validate_messages(messages: Any, where: str, last_role: str = ROLE_ASSISTANT) -> list[Message]:
-    """Validated messages that end with a ``last_role`` turn (SFT: the trained response;
-    a preference pair's context: the user turn the responses answer)."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(
-            f"{where}: expected 'messages' to be a non-empty list, found {messages!r:.60}."
-        )
-    out: list[Message] = []
-    for i, message in enumerate(messages):
-        at = f"{where}: messages[{i}]"
-        if not isinstance(message, dict):
-            raise DataError(
-                f"{at}: expected an object with 'role' and 'content', found {message!r:.60}."
-            )
-        role, content = message.get(KEY_ROLE), message.get(KEY_CONTENT)
-        if role not in ROLES:
-            raise DataError(f"{at}: expected role in {list(ROLES)}, found {role!r}.")
-        if not isinstance(content, str):
-            raise DataError(
-                f"{at}: expected 'content' to be a string, found {type(content).__name__}."
-            )
-        if role == ROLE_SYSTEM and i != 0:
-            raise DataError(f"{at}: a 'system' message is only allowed first.")
-        if role == ROLE_TOOL and (not out or out[-1][KEY_ROLE] not in (ROLE_ASSISTANT, ROLE_TOOL)):
-            found = f"after a {out[-1][KEY_ROLE]!r} message" if out else "first"
-            raise DataError(
-                f"{at}: expected a 'tool' message (a tool's output) to follow an 'assistant' "
-                f"or 'tool' message, found it {found}."
-            )
-        out.append({KEY_ROLE: role, KEY_CONTENT: content})
-    if out[-1][KEY_ROLE] != last_role:
-        what = "the trained response" if last_role == ROLE_ASSISTANT else "the context"
-        raise DataError(
-            f"{where}: expected the conversation to end with "
-            f"{'an' if last_role == ROLE_ASSISTANT else 'a'} '{last_role}' message "
-            f"({what}), found {out[-1][KEY_ROLE]!r}."
-        )
-    return out
 
 
 def jsonl_records(path: Path, what: str) -> Iterator[tuple[Any, int, str]]:
@@ -125,12 +66,21 @@ def jsonl_records(path: Path, what: str) -> Iterator[tuple[Any, int, str]]:
             yield record, line_no, where
 
 
-def read_conversations(path: Path) -> list[Conversation]:
-    """Parse and validate every line of ``path``; the first bad line raises ``DataError``."""
-    conversations = [
-        Conversation(_messages_from_record(record, where), line_no)
-        for record, line_no, where in jsonl_records(path, "SFT data file")
-    ]
+def read_conversations(
+    path: Path, layout: str = LAYOUT_AUTO, columns: Mapping[str, str] | None = None
+) -> list[Conversation]:
+    """Parse and validate every line of ``path`` by ``layout`` ('auto': each line's own,
+    from its keys) and the ``columns`` renames; the first bad line raises ``DataError``."""
+    columns = dict(columns or {})
+    bound: dict[frozenset[str], Layout] = {}  # a line's keys -> its layout
+    conversations = []
+    for record, line_no, where in jsonl_records(path, "SFT data file"):
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: expected a JSON object, found {type(record).__name__}.")
+        keys = frozenset(record)
+        if keys not in bound:
+            bound[keys] = resolve_layout(layout, columns, sorted(keys), where, noun="key")
+        conversations.append(Conversation(row_messages(bound[keys], record, where), line_no))
     if not conversations:
         raise DataError(
             f"SFT data file {path} has no examples (expected one JSON object per line)."

@@ -310,7 +310,7 @@ def load_sft_dataset(
         )
     else:
         examples, truncation = tokenize_conversations(
-            read_conversations(file),
+            read_conversations(file, options.layout, options.columns),
             tokenizer,
             max_seq_len,
             file,

@@ -3,9 +3,10 @@
 Two readers share one tokenization (``veoptim/data/sft.py``): veoptim's JSONL reader,
 whose errors name the file and line, and Hugging Face ``datasets`` (local parquet, arrow,
 JSON(L) and CSV files, ``save_to_disk`` directories, datasets in the local HF cache),
-which adds layouts, column names, splits, ``num_proc`` workers and a tokenization cache.
-``source="auto"`` keeps every existing config on the JSONL reader: a ``.jsonl`` file (or the
-bundled data) in its own shapes goes there, everything else goes to ``datasets``.
+which adds splits, ``num_proc`` workers and a tokenization cache. Both read records by
+the same layout table (``veoptim/data/layouts.py``). ``source="auto"`` keeps every existing
+config on the JSONL reader: a ``.jsonl`` file (or the bundled data) with ``layout="auto"``
+and no column renames goes there, everything else goes to ``datasets``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from veoptim.data.layouts import LAYOUT_AUTO, LAYOUTS
 from veoptim.errors import ConfigError
 
 SOURCE_AUTO, SOURCE_JSONL, SOURCE_DATASETS = "auto", "jsonl", "datasets"
 SOURCES: tuple[str, ...] = (SOURCE_AUTO, SOURCE_JSONL, SOURCE_DATASETS)
-LAYOUT_AUTO = "auto"
-#: The layouts the ``datasets`` reader maps into conversations (``veoptim/data/layouts.py``).
-LAYOUTS: tuple[str, ...] = ("messages", "prompt_response", "alpaca", "sharegpt")
 
 
 @dataclass(frozen=True)
@@ -49,12 +48,6 @@ class ReadOptions:
             raise ConfigError(f"data.num_proc must be >= 1 (1 = no workers), got {self.num_proc}.")
         if not self.split:
             raise ConfigError("data.split must name a split (e.g. 'train' or 'train[:1000]').")
-        if self.source == SOURCE_JSONL and not self._plain:
-            raise ConfigError(
-                f"data.source=jsonl reads the JSONL shapes line by line (messages or "
-                f"prompt/response), so it takes no data.layout ({self.layout!r}) or data.columns "
-                f"({dict(self.columns)}); use data.source=datasets (or auto) for those."
-            )
 
     @property
     def _plain(self) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from veoptim.errors import CheckpointError
 from veoptim.export.source import CheckpointSource, read_model_tensors
 from veoptim.lora import apply_lora
 from veoptim.lora.peft_format import (
+    BASE_FINGERPRINT_FILE,
     adapter_config,
     base_state,
     merged_state,
@@ -40,18 +43,33 @@ from veoptim.state.model import module_inventory
 
 #: The base model exported once beside the adapters of a run whose base was built from config.
 BASE_EXPORT = "hf_base"
-#: The base's fingerprint inside ``hf_base`` (a reused run dir may hold another base).
-BASE_FINGERPRINT_FILE = "veoptim_base.json"
 log = logging.getLogger(__name__)
 
 
-def base_reference(cfg: TrainerConfig, exports_root: Path) -> str:
-    """What ``base_model_name_or_path`` names: ``model.path``, or the exported base."""
-    return (
-        str(Path(cfg.model.path).resolve())
-        if cfg.model.path
-        else str((exports_root / BASE_EXPORT).absolute())
-    )
+@dataclass(frozen=True)
+class BaseReference:
+    """What an adapter's ``adapter_config.json`` names as its base."""
+
+    name_or_path: str  # base_model_name_or_path
+    revision: str | None = None  # PEFT's ``revision`` of a Hub base
+
+
+def base_reference(cfg: TrainerConfig, exports_root: Path) -> BaseReference:
+    """The one place that decides ``base_model_name_or_path``: a path that stays valid as
+    long as the base is published, never the version directory behind a name.
+
+    ``model.path`` as the user gave it, made absolute but with its symlinks kept (an export's
+    name ``<run>/exports/hf_final`` is a link to ``.versions/hf_final.<token>``, which
+    retention deletes once the base is published again); a base built from config is the
+    ``hf_base`` link beside the adapters.
+    A Hub model is named by its id and the commit it resolved to (PEFT's ``revision``), so
+    ``from_pretrained`` finds it in any Hub cache, or downloads it.
+    """
+    if cfg.model.hub_id:
+        return BaseReference(cfg.model.hub_id, cfg.model.revision or None)
+    if cfg.model.path:
+        return BaseReference(os.path.abspath(cfg.model.path))
+    return BaseReference(os.path.abspath(exports_root / BASE_EXPORT))
 
 
 def needs_base_export(cfg: TrainerConfig, exports_root: Path, model: nn.Module) -> bool:
@@ -99,10 +117,21 @@ def publish_base(
 
 
 def write_adapter_dir(
-    out: Path, adapter: dict[str, torch.Tensor], cfg: TrainerConfig, model: nn.Module, base_ref: str
+    out: Path,
+    adapter: dict[str, torch.Tensor],
+    cfg: TrainerConfig,
+    model: nn.Module,
+    base: BaseReference,
 ) -> None:
-    """The PEFT adapter directory of ``model``'s adapters (rank 0)."""
-    write_peft_adapter(out, adapter, adapter_config(cfg.lora, model, base_ref))
+    """The PEFT adapter directory of ``model``'s adapters (rank 0), with the base's
+    fingerprint (``veoptim_base.json``) so a later load can tell whether the base that
+    ``base_model_name_or_path`` names is still the one the adapters were trained on."""
+    config = adapter_config(cfg.lora, model, base.name_or_path)
+    if base.revision:
+        config["revision"] = base.revision
+    write_peft_adapter(out, adapter, config)
+    fingerprint = exported_base_fingerprint(cfg, model)
+    (out / BASE_FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=1) + "\n")
     make_readable(out)
 
 

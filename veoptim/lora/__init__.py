@@ -30,4 +30,8 @@ def __getattr__(name: str):  # noqa: ANN202 - module attribute hook
         from veoptim.lora import slots
 
         return getattr(slots, name)
+    if name == "check_adapter_base":
+        from veoptim.lora.peft_format import check_adapter_base
+
+        return check_adapter_base
     raise AttributeError(f"module 'veoptim.lora' has no attribute {name!r}")

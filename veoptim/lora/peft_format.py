@@ -19,13 +19,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from veoptim.config.schema import LoRAConfig
+from veoptim.errors import CheckpointError, ConfigError
 from veoptim.lora.experts import EXPERT_PARAMS
 from veoptim.lora.inject import lora_experts, lora_layers
 from veoptim.lora.layer import DEFAULT_ADAPTER
+from veoptim.lora.state import base_fingerprint, fingerprint_differences
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+#: The fingerprint of the base (``veoptim.lora.state.base_fingerprint``), in an adapter
+#: directory and in an exported ``hf_base``.
+BASE_FINGERPRINT_FILE = "veoptim_base.json"
 BASE_LAYER = ".base_layer"
 
 
@@ -128,3 +133,68 @@ def merged_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[str, tor
             delta = torch.bmm(full_b, full_a) * experts.specs[name].scaling
             state[key] = (base.float() + delta).to(base.dtype)
     return state
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_adapter_base(adapter_dir: str | Path, base_dir: str | Path | None = None) -> Path:
+    """Check that the base an exported adapter names (or ``base_dir``) is still the base it
+    was trained on, by the fingerprint the export recorded (``veoptim_base.json``); returns
+    the base directory checked, raises ``CheckpointError`` naming what differs.
+
+    The fingerprint is the base's config and its weight index (tensor names, shapes,
+    dtypes, file offsets), or for a base built from config its ``model.init_seed``: another
+    model, size or layout is told apart, a retrained base of the same shapes is not.
+    """
+    adapter_dir = Path(adapter_dir)
+    saved = _read_json(adapter_dir / BASE_FINGERPRINT_FILE)
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"{adapter_dir} has no readable {BASE_FINGERPRINT_FILE} (not a veoptim adapter "
+            "export, or one written before veoptim recorded its base); its base cannot be checked."
+        )
+    config = _read_json(adapter_dir / ADAPTER_CONFIG_FILE) or {}
+    named = config.get("base_model_name_or_path", "")
+    base = (
+        Path(base_dir) if base_dir is not None else _base_directory(named, config.get("revision"))
+    )
+    if not (base / "config.json").is_file():
+        raise CheckpointError(
+            f"the base model of the adapter {adapter_dir} ({base}) is not a model directory "
+            "(no config.json): it was removed or moved; pass the base it was trained on."
+        )
+    if "init_seed" in saved:  # built from config: the exported hf_base records its own
+        found = _read_json(base / BASE_FINGERPRINT_FILE)
+    else:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(base, local_files_only=True)
+        if hasattr(model_config, "get_text_config"):
+            model_config = model_config.get_text_config()
+        found = base_fingerprint(model_config, str(base), 0)
+    if found != saved:
+        differs = fingerprint_differences(saved, found)
+        raise CheckpointError(
+            f"the base model at {base} is not the one the adapter {adapter_dir} was trained on "
+            f"({', '.join(differs)} differ{'s' if len(differs) == 1 else ''}: recorded {saved}, "
+            f"found {found}); load the adapter on the base it was trained on."
+        )
+    return base
+
+
+def _base_directory(named: str, revision: str | None) -> Path:
+    """The local directory of ``base_model_name_or_path``: a directory, or a Hub id's
+    snapshot in the local Hub cache (nothing is downloaded)."""
+    from veoptim.config.model_source import hub_snapshot, is_hub_id
+
+    if Path(named).is_dir() or not is_hub_id(named):
+        return Path(named)
+    try:
+        return hub_snapshot(named, revision or "", local_only=True)[0]
+    except ConfigError as error:
+        raise CheckpointError(str(error)) from error

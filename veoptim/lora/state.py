@@ -67,14 +67,18 @@ def base_fingerprint(model_config: Any, model_path: str, init_seed: int) -> dict
     return {"model_type": config.get("model_type"), "config": _digest(config), **source}
 
 
+def fingerprint_differences(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]:
+    """The keys on which two base fingerprints differ."""
+    a, b = a or {}, b or {}
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 def check_base(saved: SavedComponent, fingerprint: dict[str, Any]) -> None:
     """Refuse adapters saved on another base than ``fingerprint`` names (CheckpointError)."""
     found = saved.json.get(BASE) if isinstance(saved.json, dict) else None
     if found == fingerprint:
         return
-    differs = sorted(
-        k for k in set(fingerprint) | set(found or {}) if (found or {}).get(k) != fingerprint.get(k)
-    )
+    differs = fingerprint_differences(found, fingerprint)
     raise CheckpointError(
         f"the adapters in {saved.path} were trained on another base model ({', '.join(differs)} "
         f"differ{'s' if len(differs) == 1 else ''}: saved {found}, live {fingerprint}); "

@@ -61,8 +61,8 @@ class SFTDataConfig(DataConfig):
     )
     layout: str = opt(
         "auto",
-        "Row layout for datasets: auto (from the columns) | messages | prompt_response | "
-        "alpaca | sharegpt.",
+        "Row layout (both readers): auto (told from the columns; a .jsonl's per line, from its "
+        "keys) | messages | sharegpt | alpaca | prompt_response.",
     )
     columns: SFTColumnsConfig = field(default_factory=SFTColumnsConfig)
     split: str = opt("train", "Split to train on (datasets), e.g. train, test or train[:1000].")

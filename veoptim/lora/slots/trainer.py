@@ -38,7 +38,7 @@ from veoptim.errors import (
 )
 from veoptim.lora.layer import AdapterSpec
 from veoptim.lora.slots.config import MultiLoRAConfig
-from veoptim.lora.slots.export import publish_slot_adapter
+from veoptim.lora.slots.export import SLOT_EXPORTS, publish_slot_adapter
 from veoptim.lora.slots.optim import OPTIM_KEYS, SlotHyper, SlotOptimizer
 from veoptim.lora.slots.routing import SlotParams, SlotRouter, apply_slot_lora
 from veoptim.lora.slots.state import (
@@ -136,8 +136,18 @@ class SlotTrainer:
             raise
 
     def close(self) -> None:
-        if self._owns_ctx:
-            self.ctx.close()
+        """Leave the process group this trainer joined (:meth:`from_config` without ``ctx``).
+
+        The model and its slots go first: they hold the process groups, which the context can
+        only destroy (and their threads join) once nothing holds them. Unusable afterwards.
+        """
+        if not self._owns_ctx:
+            return
+        with self._lock:
+            self.slots.clear()
+            self._params.clear()
+            self.model = self.router = self.plan = None  # type: ignore[assignment]
+        self.ctx.close()
 
     @property
     def num_slots(self) -> int:
@@ -357,6 +367,10 @@ class SlotTrainer:
                     is_main=self.ctx.is_main,
                 ),  # fmt: skip
             )
+
+    def export_dir(self, name: str) -> Path:
+        """Where :meth:`export_slot` publishes PEFT adapter directory ``name``."""
+        return self.exports_root / SLOT_EXPORTS / name
 
     # ------------------------------------------------------------------ inspection
     def slot_state(self, slot: int) -> dict[str, Any]:

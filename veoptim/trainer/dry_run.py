@@ -1,0 +1,152 @@
+"""``run.dry_run=true``: everything ``Trainer.from_config`` checks, without training.
+
+The config is validated by the caller (``to_config``); here the data and model paths are
+resolved, the tokenizer and the objective's examples (the dataset index) built, the
+sampler sized, the scheduler checked against the run's steps, and the model built on the
+meta device to count its parameters (no weights read, no optimizer state). Nothing is
+written and no process group is needed: under torchrun every rank checks, rank 0 prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from veoptim.checkpoint.resolve import latest_complete
+from veoptim.config.launch import check_launch
+from veoptim.config.schema import TrainerConfig
+from veoptim.data import GlobalBatchSampler, load_tokenizer, special_token_ids
+from veoptim.data.holdout import split_holdout
+from veoptim.distributed import resolve_parallel_sizes
+from veoptim.errors import ConfigError
+from veoptim.lora import apply_lora
+from veoptim.models import build_model
+from veoptim.models.build import check_model_fits
+from veoptim.optim import build_scheduler
+from veoptim.trainer.evaluation import build_eval_set
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run with this config would do."""
+
+    model: str  # model.name, and model.path when set
+    arch: str
+    parameters: int
+    trainable: int
+    tokenizer: str
+    vocab: int
+    train_data: str
+    train_examples: int
+    eval_examples: int
+    max_steps: int
+    last_step: int
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    checkpoint_dir: Path
+    checkpoint_state: str  # what a real run would do with checkpoint_dir
+    run_dir: Path
+
+    def lines(self) -> list[str]:
+        """The plan as printed by ``run.dry_run=true``."""
+        steps = f"{self.max_steps}" + (
+            f" (this slice stops at {self.last_step})" if self.last_step != self.max_steps else ""
+        )
+        rows = [
+            ("model", f"{self.model} ({self.arch})"),
+            ("parameters", f"{self.parameters:,} ({self.trainable:,} trainable)"),
+            ("tokenizer", f"{self.tokenizer} ({self.vocab:,} tokens)"),
+            ("train data", f"{self.train_data}: {self.train_examples:,} training examples"
+                           + (f", {self.eval_examples:,} eval" if self.eval_examples else "")),
+            ("steps", steps),
+            ("batch", f"global {self.global_batch} sequences, micro {self.micro_batch} per "
+                      f"forward, {self.grad_accum} accumulation steps per rank"),
+            ("world size", str(self.world_size)),
+            ("checkpoints", f"{self.checkpoint_dir} ({self.checkpoint_state})"),
+            ("run dir", str(self.run_dir)),
+        ]  # fmt: skip
+        return [f"  {name:<12} {value}" for name, value in rows]
+
+
+def _checkpoint_state(cfg: TrainerConfig, root: Path) -> str:
+    found = latest_complete(root) if root.is_dir() else None
+    if cfg.checkpoint.resume == "auto":
+        return (
+            f"resumes from {found}" if found else "checkpoint.resume=auto: none yet, starts fresh"
+        )
+    if cfg.checkpoint.resume:
+        return f"resumes from {cfg.checkpoint.resume}"
+    if found and not cfg.checkpoint.overwrite:
+        raise ConfigError(
+            f"{root} already holds checkpoints (newest: {found}) and checkpoint.resume is "
+            "empty; continue that run with checkpoint.resume=auto, use another run.dir (or "
+            "checkpoint.root), or pass checkpoint.overwrite=true to start over in it."
+        )
+    return "starts over in it" if found else "empty: a fresh run"
+
+
+def plan_run(cfg: TrainerConfig, world_size: int = 1) -> RunPlan:
+    """Check ``cfg`` as ``Trainer.from_config`` would on ``world_size`` ranks; the plan.
+
+    Raises what the real run would raise at startup (``ConfigError``, ``DataError``, ...).
+    """
+    check_launch(cfg.parallel, world_size)
+    if cfg.lora.num_slots:
+        raise ConfigError(
+            f"lora.num_slots={cfg.lora.num_slots} asks for multi-LoRA slots, which the "
+            "multi-LoRA trainer runs (python -m tasks.multi_lora); this task trains one "
+            "adapter with lora.enabled=true and lora.num_slots=0."
+        )
+    tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
+    check_model_fits(cfg.model, len(tokenizer), cfg.data.max_seq_len, tokenizer.name_or_path)
+    objective = cfg.build_objective(tokenizer)
+    holdout = split_holdout(objective.num_examples, cfg.data.eval_fraction)
+    eval_set = build_eval_set(cfg, tokenizer, objective, holdout)
+    model = build_model(cfg.model, len(tokenizer), special_token_ids(tokenizer), on_meta=True)
+    if cfg.lora.enabled:
+        apply_lora(model, cfg.lora, seed=cfg.model.init_seed)
+    resolve_parallel_sizes(cfg.parallel, world_size, getattr(model.config, "num_experts", 0) or 0)
+    sampler = GlobalBatchSampler(
+        num_examples=len(holdout.train),
+        global_batch_size=cfg.train.global_batch_size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        dp_rank=0,
+        dp_size=world_size,  # every rank reads its own data shard
+        seed=cfg.train.seed,
+        data_fingerprint=holdout.fingerprint(objective.data_fingerprint),
+        indices=holdout.train if holdout.eval else None,
+    )
+    max_steps = cfg.train.total_steps(sampler.steps_per_epoch)
+    if cfg.train.stop_at_step > max_steps:
+        raise ConfigError(
+            f"train.stop_at_step ({cfg.train.stop_at_step}) must be <= the run's {max_steps} "
+            f"steps (train.epochs={cfg.train.epochs} x {sampler.steps_per_epoch} steps per epoch)."
+        )
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optim.lr)
+    build_scheduler(probe, cfg.scheduler, max_steps)  # the schedule's checks, no optimizer state
+    params = list(model.parameters())
+    root = cfg.checkpoint.root_dir(cfg.run.dir)
+    return RunPlan(
+        model=cfg.model.name + (f" from {cfg.model.path}" if cfg.model.path else ""),
+        arch=model.config.model_type,
+        parameters=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+        tokenizer=str(tokenizer.name_or_path),
+        vocab=len(tokenizer),
+        train_data=str(getattr(cfg.data, "train_path", "")) or "the bundled synthetic data",
+        train_examples=len(holdout.train),
+        eval_examples=len(eval_set.indices) if eval_set is not None else 0,
+        max_steps=max_steps,
+        last_step=cfg.train.stop_at_step or max_steps,
+        global_batch=cfg.train.global_batch_size,
+        micro_batch=cfg.train.micro_batch_size,
+        grad_accum=sampler.grad_accum_steps,
+        world_size=world_size,
+        checkpoint_dir=root,
+        checkpoint_state=_checkpoint_state(cfg, root),
+        run_dir=Path(cfg.run.dir),
+    )
