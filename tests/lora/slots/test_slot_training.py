@@ -286,12 +286,15 @@ def test_a_slots_clipped_step_in_a_mixed_batch_equals_that_slot_trained_alone(tm
             assert m[slot]["grad_norm"] == pytest.approx(a[slot]["grad_norm"], rel=1e-5), (
                 f"slot {slot}, step {step}"
             )
+        # FP32 products over another batch make the gradients differ in their last bits, and
+        # Adam turns that into up to ~4e-6 on a weight whose gradient is near zero; the
+        # whole batch's token count instead of the slot's moves weights by ~7e-4.
         for name, weight in alone_weights[slot].items():
             torch.testing.assert_close(
                 mixed_weights[slot][name],
                 weight,
                 rtol=1e-5,
-                atol=1e-6,
+                atol=5e-5,
                 msg=lambda why, name=name: f"{name}: {why}",
             )
     assert all(m[0]["tokens"] != m[1]["tokens"] for m in mixed)  # the batch's count differs
