@@ -12,7 +12,7 @@ import logging
 from veoptim.checkpoint import Publisher
 from veoptim.checkpoint.hf_export import KIND_HF_EXPORT, full_model_state, write_hf_export
 from veoptim.config.schema import ExportConfig
-from veoptim.distributed.agreement import broadcast_from_rank0
+from veoptim.distributed.agreement import on_rank0
 from veoptim.export.lora_formats import (
     BASE_EXPORT,
     base_reference,
@@ -89,8 +89,9 @@ class HFExportCallback(Callback):
     def _export_adapter(self, trainer: Trainer, name: str) -> None:
         """The PEFT adapter directory; a base built from config is exported once beside it."""
         root, step = trainer.run_dir / EXPORTS_SUBDIR, trainer.progress.global_step
-        if broadcast_from_rank0(
-            needs_base_export(trainer.cfg, root, trainer.model) if trainer.ctx.is_main else None
+        if on_rank0(
+            lambda: needs_base_export(trainer.cfg, root, trainer.model),
+            f"checking the base export in {root}",
         ):
             publish_base(base_state(trainer.model), trainer.model, trainer.tokenizer, root,
                          cfg=trainer.cfg, step=step, dtype=self.cfg.dtype, max_shard_size_mb=self.cfg.max_shard_size_mb,

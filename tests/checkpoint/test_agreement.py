@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.checkpoint.helpers.multirank import results
-from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank, world_size
+from veoptim.distributed.agreement import agree, broadcast_from_rank0, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError
 
 pytestmark = pytest.mark.multirank
@@ -59,3 +59,12 @@ def test_failing_rank_waits_only_for_its_slowest_peer() -> None:
 def test_agreement_on_a_subgroup_names_global_ranks() -> None:
     errors = {results()[r]["agree_subgroup"]["error"] for r in (0, 1)}
     assert errors == {"subgroup phase failed on rank 1 of 2: KeyError: 'k'"}
+
+
+def test_on_rank0_returns_the_decision_and_turns_its_error_into_the_agreed_one() -> None:
+    assert on_rank0(lambda: "decided", "deciding") == "decided"
+    cause = OSError(2, "No such file or directory", "/ckpt")
+    with pytest.raises(CheckpointError) as info:
+        on_rank0(lambda: (_ for _ in ()).throw(cause), "listing /ckpt")
+    assert str(info.value).startswith("listing /ckpt failed on rank 0 of 1: FileNotFoundError:")
+    assert info.value.__cause__ is cause

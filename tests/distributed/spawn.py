@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -103,18 +104,37 @@ def _leak_note() -> str:
     return f"process-group threads alive after close: {alive}" if alive else ""
 
 
-def run_ranks(world_size: int, fn: Callable[..., dict], out: Path, *args: Any) -> dict:
-    """Run ``fn(ctx, out, *args)`` on ``world_size`` ranks; return rank 0's result dict."""
+def run_ranks(
+    world_size: int, fn: Callable[..., dict], out: Path, *args: Any, timeout_s: float = 900
+) -> dict:
+    """Run ``fn(ctx, out, *args)`` on ``world_size`` ranks; return rank 0's result dict.
+
+    Ranks still running after ``timeout_s`` fail the call (after being killed): a rank that
+    waits forever on a peer is a hang to report, not a test to wait for.
+    """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out.mkdir(parents=True, exist_ok=True)
     try:
-        mp.spawn(
+        context = mp.spawn(
             _worker,
             args=(world_size, free_port(), fn, str(out), args),
             nprocs=world_size,
-            join=True,
+            join=False,
         )
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                hung = [i for i, p in enumerate(context.processes) if p.is_alive()]
+                for process in context.processes:
+                    process.kill()
+                    process.join()
+                raise AssertionError(
+                    f"ranks {hung} of {world_size} were still running after {timeout_s:g} s "
+                    "(a rank waiting on a peer that will never answer?)"
+                )
     except Exception as exc:
+        if isinstance(exc, AssertionError):
+            raise
         errors = [p.read_text() for p in sorted(out.glob("error.rank*.txt"))]
         raise AssertionError("a rank failed:\n" + "\n".join(errors)) from exc
     return json.loads((out / RESULT_FILE.format(rank=0)).read_text())

@@ -45,7 +45,7 @@ from veoptim.checkpoint.readahead import ShardPrefetch
 from veoptim.checkpoint.resolve import latest_complete, resolve_agreed
 from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 from veoptim.checkpoint.validate import check_components, check_info, read_json
-from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank, world_size
+from veoptim.distributed.agreement import agree, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 
 log = logging.getLogger(__name__)
@@ -241,15 +241,11 @@ class Checkpointer:
     # ------------------------------------------------------------------ load
     def latest(self) -> str | None:
         """The newest complete checkpoint's name in the root (rank 0 looks; agreed)."""
-        found: str | None = None
-        outcome: bool | BaseException = True
-        if rank(self.group) == 0:
-            try:
-                found = latest_complete(self.root)
-            except Exception as exc:
-                outcome = exc
-        agree(outcome, f"listing the checkpoints in {self.root}", self.group)
-        return broadcast_from_rank0(found, self.group)
+        return on_rank0(
+            lambda: latest_complete(self.root),
+            f"listing the checkpoints in {self.root}",
+            self.group,
+        )
 
     def resolve(self, ref: str) -> Path | None:
         """The version directory of ``ref`` (``auto`` = newest complete checkpoint, a name or

@@ -21,7 +21,7 @@ from veoptim.checkpoint.layout import (
     version_dir,
 )
 from veoptim.checkpoint.manifest import KIND_CHECKPOINT, Manifest, read_manifest, verify
-from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank
+from veoptim.distributed.agreement import on_rank0
 from veoptim.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -189,15 +189,11 @@ def latest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> str | None:
 def resolve_agreed(root: Path, ref: str, group: Any = None) -> Path:
     """Rank 0 resolves ``ref`` (``"auto"`` = ``latest_complete``) once; every rank gets the
     same version directory, or every rank raises the same ``CheckpointError``."""
-    found: Path | None = None
-    outcome: bool | BaseException = True
-    if rank(group) == 0:
-        try:
-            target = latest_complete(root) if ref == "auto" else ref
-            if target is None:
-                raise CheckpointError(f"No complete checkpoint in {root} to resume from.")
-            found = resolve_reference(root, target)
-        except Exception as exc:
-            outcome = exc
-    agree(outcome, f"resolving checkpoint {ref!r}", group)
-    return Path(broadcast_from_rank0(str(found), group))
+
+    def find() -> str:
+        target = latest_complete(root) if ref == "auto" else ref
+        if target is None:
+            raise CheckpointError(f"No complete checkpoint in {root} to resume from.")
+        return str(resolve_reference(root, target))
+
+    return Path(on_rank0(find, f"resolving checkpoint {ref!r}", group))

@@ -12,11 +12,13 @@ only if this process failed.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from veoptim.errors import CheckpointError
 
 CAUSE_MAX_CHARS = 600
+T = TypeVar("T")
 
 
 def _describe(ok: bool | BaseException) -> str | None:
@@ -101,3 +103,22 @@ def broadcast_from_rank0(value: Any, group: Any = None) -> Any:
     box = [value]
     dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
+
+
+def on_rank0(decide: Callable[[], T], what: str, group: Any = None) -> T:
+    """Rank 0 runs ``decide``; every rank of ``group`` gets its value, or every rank raises the
+    same ``CheckpointError`` naming ``what`` and rank 0's error.
+
+    The one way to share a decision only rank 0 makes (what the disk holds, the next name):
+    a bare broadcast would leave the other ranks waiting forever for a value that rank 0,
+    having raised, never sends. Collective: every rank of ``group`` calls it.
+    """
+    value: T | None = None
+    outcome: bool | BaseException = True
+    if rank(group) == 0:
+        try:
+            value = decide()
+        except Exception as exc:
+            outcome = exc
+    agree(outcome, what, group)
+    return broadcast_from_rank0(value, group)

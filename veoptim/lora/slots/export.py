@@ -12,7 +12,7 @@ from torch import nn
 from veoptim.checkpoint.hf_export import KIND_HF_EXPORT
 from veoptim.checkpoint.publish import Publisher
 from veoptim.config.schema import TrainerConfig
-from veoptim.distributed.agreement import broadcast_from_rank0
+from veoptim.distributed.agreement import on_rank0
 from veoptim.export.lora_formats import (
     base_reference,
     needs_base_export,
@@ -39,7 +39,10 @@ def publish_slot_adapter(
     (collective). A base built from config is published once as ``<exports_root>/hf_base``
     and named as the adapter's base, so PEFT can load it without this process."""
     fsync = cfg.checkpoint.fsync
-    if broadcast_from_rank0(needs_base_export(cfg, exports_root, model) if is_main else None):
+    if on_rank0(
+        lambda: needs_base_export(cfg, exports_root, model),
+        f"checking the base export in {exports_root}",
+    ):
         publish_base(base_state(model), model, tokenizer, exports_root, cfg=cfg, step=0,
                      dtype=cfg.export.dtype, max_shard_size_mb=cfg.export.max_shard_size_mb,
                      fsync=fsync, is_main=is_main)  # fmt: skip

@@ -33,7 +33,7 @@ from veoptim.checkpoint.resolve import (
     resolve_path,
 )
 from veoptim.checkpoint.validate import check_info, read_json
-from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank
+from veoptim.distributed.agreement import on_rank0
 from veoptim.errors import CheckpointError
 
 SAVE_NAME = "save_{:06d}"
@@ -98,35 +98,29 @@ class SlotStore:
 
     def _next_sequence(self, root: Path) -> int:
         """1 + the highest save number published under ``root`` (rank 0 looks; agreed)."""
-        found: int | None = None
-        outcome: bool | BaseException = True
-        if rank(self.group) == 0:
-            try:
-                numbers = [
-                    int(m.group(1))
-                    for n in published_names(root)
-                    if (m := _SAVE_PATTERN.match(n)) is not None
-                ]
-                found = max(numbers, default=0) + 1
-            except Exception as exc:
-                outcome = exc
-        agree(outcome, f"listing the saves in {root}", self.group)
-        return int(broadcast_from_rank0(found, self.group))
+
+        def next_number() -> int:
+            numbers = [
+                int(m.group(1))
+                for n in published_names(root)
+                if (m := _SAVE_PATTERN.match(n)) is not None
+            ]
+            return max(numbers, default=0) + 1
+
+        return on_rank0(next_number, f"listing the saves in {root}", self.group)
 
     def resolve(self, ref: str | os.PathLike[str]) -> tuple[Path, bool]:
         """The complete version ``ref`` names and whether it is weights-only (rank 0
         resolves once; agreed)."""
-        found: tuple[str, bool] | None = None
-        outcome: bool | BaseException = True
-        if rank(self.group) == 0:
-            try:
-                path = self._resolve_here(ref)
-                info = check_info(read_json(path / C.INFO_FILE), path)
-                found = (str(path), bool(info.get(C.INFO_WEIGHTS_ONLY)))
-            except Exception as exc:
-                outcome = exc
-        agree(outcome, f"resolving slot checkpoint {str(ref)!r}", self.group)
-        path_text, weights_only = broadcast_from_rank0(found, self.group)
+
+        def find() -> tuple[str, bool]:
+            path = self._resolve_here(ref)
+            info = check_info(read_json(path / C.INFO_FILE), path)
+            return str(path), bool(info.get(C.INFO_WEIGHTS_ONLY))
+
+        path_text, weights_only = on_rank0(
+            find, f"resolving slot checkpoint {str(ref)!r}", self.group
+        )
         return Path(path_text), weights_only
 
     def _resolve_here(self, ref: str | os.PathLike[str]) -> Path:
