@@ -21,7 +21,7 @@ Override any key on the command line: `python -m tasks.sft optim.lr=1e-4`.
 listed at the end.
 Choose a config group file with `group=name` (e.g. `optim=master_fp32_adamw`,
 `model=tiny_moe`, `parallel=fsdp`, `scheduler=wsd`); the files live under
-`veoptim/configs/<group>/`.
+`configs/<group>/`.
 """
 
 

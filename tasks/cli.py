@@ -51,7 +51,7 @@ def print_help(task: str, schema: type[TrainerConfig], argv: list[str]) -> int:
 def task_command(
     task: str, schema: type[TrainerConfig], job: Callable[[DictConfig], Any]
 ) -> Callable[[], None]:
-    """The entry point running ``job`` on ``veoptim/configs/<task>.yaml`` composed by Hydra."""
+    """The entry point running ``job`` on ``configs/<task>.yaml`` composed by Hydra."""
     register_schema(task, schema)
     # Hydra names the job after the task function's module: tasks.sft -> "sft" is
     # hydra.job.name (the run dir's sft.log, the task in launch.py's torchrun hint).

@@ -1,4 +1,4 @@
-"""Compose a task config from ``veoptim/configs/`` without the CLI (tests, benchmarks, notebooks)."""
+"""Compose a task config from ``configs/`` without the CLI (tests, benchmarks, notebooks)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,21 @@ from omegaconf import DictConfig
 import veoptim
 from veoptim.config import TrainerConfig, prefer_explicit, to_config
 
-#: The task configs ship inside the package, so an installed ``veoptim-sft`` finds them anywhere.
-CONFIG_DIR = Path(veoptim.__file__).resolve().parent / "configs"
+
+def _config_dir() -> Path:
+    """The Hydra configs: ``veoptim/configs`` in an installed package (setup.py maps the
+    checkout's top-level ``configs/`` there at build time, so ``veoptim-sft`` finds them
+    anywhere), else the checkout's ``configs/`` beside the ``veoptim`` package."""
+    package = Path(veoptim.__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 
 def compose_config(name: str = "sft", overrides: list[str] | None = None) -> DictConfig:
-    """Compose ``veoptim/configs/<name>.yaml`` with overrides, validated against the schema like
+    """Compose ``configs/<name>.yaml`` with overrides, validated against the schema like
     the CLI (a key the overrides give replaces its presets' alternative, as on the CLI)."""
     importlib.import_module(f"{__package__}.{name}")  # registers the task's schema
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

@@ -20,7 +20,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 
 def compose_sft(overrides: list[str] | None = None) -> DictConfig:
-    """Compose ``veoptim/configs/sft.yaml`` with overrides (the same schema validation as the CLI)."""
+    """Compose ``configs/sft.yaml`` with overrides (the same schema validation as the CLI)."""
     return compose_config("sft", overrides)
 
 

@@ -23,7 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: What the build reads (pyproject's packages and readme).
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "veoptim", "tasks", "callbacks")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "veoptim", "tasks", "callbacks", "configs")
 COMMANDS = {
     "veoptim-sft": "veoptim.tasks.sft:main",
     "veoptim-dpo": "veoptim.tasks.dpo:main",
@@ -34,7 +34,12 @@ COMMANDS = {
     "veoptim-sweep-report": "veoptim.tasks.sweep_report:main",
 }
 #: checkout directory -> the package it is installed as
-INSTALLED_AS = {"veoptim": "veoptim", "tasks": "veoptim/tasks", "callbacks": "veoptim/callbacks"}
+INSTALLED_AS = {
+    "veoptim": "veoptim",
+    "tasks": "veoptim/tasks",
+    "callbacks": "veoptim/callbacks",
+    "configs": "veoptim/configs",
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +68,20 @@ def _files(root: str, pattern: str) -> set[str]:
     return {p.relative_to(REPO).as_posix() for p in (REPO / root).rglob(pattern) if p.is_file()}
 
 
-def test_every_config_yaml_is_in_the_wheel(wheel):
-    configs = _files("veoptim/configs", "*.yaml")
-    assert {"veoptim/configs/sft.yaml", "veoptim/configs/recipes/cuda_sft_16rank.yaml"} <= configs
-    assert any(c.startswith("veoptim/configs/hydra/") for c in configs)
-    assert sorted(configs - set(wheel.namelist())) == []
+def test_every_config_yaml_is_in_the_wheel_under_the_package(wheel):
+    """The checkout's top-level configs/ ships as veoptim/configs/ (mapped at build time)."""
+    configs = _files("configs", "*.yaml")
+    assert {"configs/sft.yaml", "configs/recipes/cuda_sft_16rank.yaml"} <= configs
+    assert any(c.startswith("configs/hydra/") for c in configs)
+    assert sorted({f"veoptim/{c}" for c in configs} - set(wheel.namelist())) == []
+
+
+def test_the_checkout_keeps_one_copy_of_the_configs():
+    """No hand-kept copy inside the package: the checkout composes from configs/."""
+    from tasks.compose import CONFIG_DIR
+
+    assert not (REPO / "veoptim" / "configs").exists()
+    assert CONFIG_DIR == REPO / "configs"
 
 
 def test_every_bundled_asset_is_in_the_wheel(wheel):

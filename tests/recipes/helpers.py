@@ -1,4 +1,4 @@
-"""The recipes under ``veoptim/configs/recipes/``, composed exactly as ``python -m tasks.<task>
+"""The recipes under ``configs/recipes/``, composed exactly as ``python -m tasks.<task>
 --config-name recipes/<name>`` composes them (no launcher, no hardware)."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ RECIPES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 TASKS = ("sft", "dpo")
 HARDWARE = {"ascend": ("npu", "hccl"), "cuda": ("cuda", "nccl")}
 
-#: The scaled-down CPU run documented in every recipe (veoptim/configs/recipes/scale/cpu_smoke.yaml).
+#: The scaled-down CPU run documented in every recipe (configs/recipes/scale/cpu_smoke.yaml).
 CPU_SMOKE = "recipes/scale=cpu_smoke"
 SMOKE_RANKS = 2
-TINY_MOE_EXPERTS = 4  # veoptim/configs/model/tiny_moe.yaml
+TINY_MOE_EXPERTS = 4  # configs/model/tiny_moe.yaml
 
 #: The model of the 16-rank recipes: Qwen3-30B-A3B (config.json of the Hugging Face release).
 QWEN3_30B_A3B = {"num_experts": 128, "max_position_embeddings": 40960}
@@ -44,7 +44,7 @@ def hardware_of(recipe: str) -> str:
 def compose_recipe(
     recipe: str, overrides: list[str] | None = None, *, hydra: bool = False
 ) -> DictConfig:
-    """``veoptim/configs/recipes/<recipe>.yaml`` with overrides, over its task's registered schema
+    """``configs/recipes/<recipe>.yaml`` with overrides, over its task's registered schema
     (``hydra=True``: with the ``hydra`` node a ``python -m tasks.<task>`` run has)."""
     importlib.import_module(f"tasks.{task_of(recipe)}")  # registers <task>_schema
     job = task_of(recipe)  # what hydra.main names the job of python -m tasks.<task>

@@ -1,4 +1,4 @@
-"""Every recipe under veoptim/configs/recipes/ composed and validated for 16 ranks without hardware:
+"""Every recipe under configs/recipes/ composed and validated for 16 ranks without hardware:
 mesh sizes, expert divisibility, batch divisibility, the required model.path, the claims of
 the recipes' comments (variants differ only where they say), overrides on top of a recipe,
 and the scaled-down CPU overlay."""
@@ -225,7 +225,7 @@ def test_a_recipe_in_one_process_suggests_a_working_torchrun_command(tmp_path):
 
 def test_every_recipe_header_gives_its_launch_commands():
     for recipe in RECIPES:
-        text = (REPO / "veoptim" / "configs" / "recipes" / f"{recipe}.yaml").read_text()
+        text = (REPO / "configs" / "recipes" / f"{recipe}.yaml").read_text()
         task = task_of(recipe)
         cli = f"-m tasks.{task} --config-name recipes/{recipe}"
         assert f"torchrun --standalone --nproc_per_node 16 {cli}" in text, recipe

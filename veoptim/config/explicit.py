@@ -1,6 +1,6 @@
 """Keys that set one thing two ways: the one given on the command line wins over a preset's.
 
-The scheduler presets (``veoptim/configs/scheduler/*.yaml``) set ``warmup_steps: 10``;
+The scheduler presets (``configs/scheduler/*.yaml``) set ``warmup_steps: 10``;
 ``scheduler.warmup_ratio=0.03`` given alone on the command line must mean "warm up for 3 %
 of the run", not "warm up two ways" (an error). :func:`prefer_explicit` applies that to a
 composed config: where the overrides give exactly one key of an :data:`ALTERNATIVES` group,

@@ -37,9 +37,7 @@ def launch_command(nproc: int) -> str:
     task, overrides = f"{package}.<task>", "<your overrides>"
     if HydraConfig.initialized():  # a task command (not a programmatic compose)
         hydra = HydraConfig.get()
-        task = (
-            f"{package}.{hydra.job.name}"  # runs veoptim/configs/<task>.yaml unless told otherwise
-        )
+        task = f"{package}.{hydra.job.name}"  # runs configs/<task>.yaml unless told otherwise
         if hydra.job.config_name != hydra.job.name:  # e.g. a recipe
             task += f" --config-name {shlex.quote(hydra.job.config_name)}"
         overrides = " ".join(shlex.quote(o) for o in hydra.overrides.task)

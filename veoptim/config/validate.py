@@ -26,7 +26,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 #: which this package may not import).
 TRAINING_CHECKPOINT_FILE = "checkpoint.json"
 
-#: Model presets that load ``model.path`` (``veoptim/configs/model/<name>.yaml``); the path is required.
+#: Model presets that load ``model.path`` (``configs/model/<name>.yaml``); the path is required.
 PATH_PRESETS: tuple[str, ...] = ("hf_local",)
 
 POSITIVE: tuple[str, ...] = (

@@ -5,7 +5,7 @@ emits it, reads ``[rank1] 2026-01-31 12:00:00,000 INFO veoptim: message`` (the r
 prefix only when several ranks share a console):
 
 - before ``setup_logging`` runs, Hydra's job logging uses ``RankFormatter`` too
-  (``veoptim/configs/hydra/job_logging/veoptim.yaml``, selected by every task config);
+  (``configs/hydra/job_logging/veoptim.yaml``, selected by every task config);
 - ``setup_logging`` gives the handlers already on the root logger (Hydra's console and
   run-dir file) the rank-aware format and adds a console handler only when there is
   none, so lines are never duplicated;
