@@ -43,7 +43,7 @@ def export_name(trainer: Trainer, cfg: ExportConfig, *, final: bool) -> str:
     if final:
         return LORA_EXPORT_NAME if adapters else HF_EXPORT_NAME
     step = trainer.progress.global_step
-    return (LORA_STEP_PATTERN if adapters else HF_STEP_PATTERN).format(step=step)
+    return LORA_STEP_PATTERN.format(step=step) if adapters else hf_step_name(step)
 
 
 class HFExportCallback(Callback):

@@ -250,11 +250,6 @@ class Checkpointer:
     def resolve(self, ref: str) -> Path | None:
         """The version directory of ``ref`` (``auto`` = newest complete checkpoint, a name or
         a path), resolved once on rank 0 and agreed; None for ``auto`` in an empty root."""
-        if ref == "auto":
-            latest = self.latest()
-            if latest is None:
-                return None
-            ref = latest
         return resolve_agreed(self.root, ref, self.group)
 
     def load(self, components: Components, path: Path, *, exact: bool = True) -> int:

@@ -130,7 +130,3 @@ def is_temp_link_name(entry: str) -> bool:
 
 def manifest_path(version: Path) -> Path:
     return Path(version) / MANIFEST_FILE
-
-
-def manifest_temp_path(version: Path) -> Path:
-    return Path(version) / MANIFEST_TEMP_FILE

@@ -186,14 +186,14 @@ def latest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> str | None:
     return None
 
 
-def resolve_agreed(root: Path, ref: str, group: Any = None) -> Path:
-    """Rank 0 resolves ``ref`` (``"auto"`` = ``latest_complete``) once; every rank gets the
-    same version directory, or every rank raises the same ``CheckpointError``."""
+def resolve_agreed(root: Path, ref: str, group: Any = None) -> Path | None:
+    """Rank 0 resolves ``ref`` once (``"auto"``: the newest complete version, None in a root
+    without one); every rank gets the same version directory, or every rank raises the same
+    ``CheckpointError``."""
 
-    def find() -> str:
+    def find() -> str | None:
         target = latest_complete(root) if ref == "auto" else ref
-        if target is None:
-            raise CheckpointError(f"No complete checkpoint in {root} to resume from.")
-        return str(resolve_reference(root, target))
+        return None if target is None else str(resolve_reference(root, target))
 
-    return Path(on_rank0(find, f"resolving checkpoint {ref!r}", group))
+    found = on_rank0(find, f"resolving checkpoint {ref!r}", group)
+    return None if found is None else Path(found)

@@ -109,10 +109,3 @@ class LoRALinear(nn.Module):
         for name in self.active:
             result = result + self.delta(name, x).to(result.dtype)
         return result
-
-    def merged_weight(self, name: str = DEFAULT_ADAPTER) -> torch.Tensor:
-        """The base weight with the adapter folded in (``W + B @ A * scaling``), in FP32."""
-        base = self.base_layer.weight.detach().float()
-        a = self.lora_A[name].weight.detach().float()
-        b = self.lora_B[name].weight.detach().float()
-        return base + (b @ a) * self.specs[name].scaling

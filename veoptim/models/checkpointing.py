@@ -13,10 +13,14 @@ draws the same masks and gradients are bitwise those of a run without it.
 
 from __future__ import annotations
 
+import logging
+
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from veoptim.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
@@ -34,6 +38,15 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     # transformers also makes the embedding output require grad, which only the reentrant
     # variant needs; without it a frozen embedding (LoRA) stays out of the autograd graph.
     model.disable_input_require_grads()
+    layers = checkpointed_layers(model)
+    if layers:
+        log.info("activation checkpointing: %d decoder layers recompute in the backward", layers)
+    else:  # a model whose layers are not transformers' GradientCheckpointingLayer
+        log.warning(
+            "model.activation_checkpointing=true, but no layer of %s recomputes its "
+            "activations: memory use is as without it.",
+            type(model).__name__,
+        )
 
 
 def checkpointed_layers(model: PreTrainedModel) -> int:

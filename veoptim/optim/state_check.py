@@ -8,7 +8,7 @@ that differs from the expectation is an error.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -18,10 +18,6 @@ from veoptim.optim.dtensor_util import local
 
 #: What an optimizer expects for one parameter: state key -> (local shape, dtype).
 ExpectedState = dict[str, tuple[torch.Size, torch.dtype]]
-
-
-class HasExpectedState(Protocol):
-    def expected_state(self, param: torch.Tensor) -> ExpectedState: ...
 
 
 def expected_optimizer_state(
