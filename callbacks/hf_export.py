@@ -10,17 +10,10 @@ from __future__ import annotations
 import logging
 
 from veoptim.checkpoint import Publisher
-from veoptim.checkpoint.hf_export import KIND_HF_EXPORT, full_model_state, write_hf_export
 from veoptim.config.schema import ExportConfig
-from veoptim.distributed.agreement import on_rank0
-from veoptim.export.lora_formats import (
-    BASE_EXPORT,
-    base_reference,
-    needs_base_export,
-    publish_base,
-    write_adapter_dir,
-)
-from veoptim.lora.peft_format import base_state, merged_state, peft_adapter_state
+from veoptim.export.adapters import publish_adapter
+from veoptim.export.hf_format import KIND_HF_EXPORT, full_model_state, write_hf_export
+from veoptim.lora.peft_format import merged_state, peft_adapter_state
 from veoptim.trainer import Callback, Metrics, Trainer
 
 log = logging.getLogger(__name__)
@@ -88,20 +81,8 @@ class HFExportCallback(Callback):
 
     def _export_adapter(self, trainer: Trainer, name: str) -> None:
         """The PEFT adapter directory; a base built from config is exported once beside it."""
-        root, step = trainer.run_dir / EXPORTS_SUBDIR, trainer.progress.global_step
-        if on_rank0(
-            lambda: needs_base_export(trainer.cfg, root, trainer.model),
-            f"checking the base export in {root}",
-        ):
-            publish_base(base_state(trainer.model), trainer.model, trainer.tokenizer, root,
-                         cfg=trainer.cfg, step=step, dtype=self.cfg.dtype, max_shard_size_mb=self.cfg.max_shard_size_mb,
-                         fsync=self.fsync, is_main=trainer.ctx.is_main)  # fmt: skip
-            log.info("exported the frozen base model to %s", root / BASE_EXPORT)
         adapter = peft_adapter_state(trainer.model)  # collective
-        with Publisher(root, fsync=self.fsync).write(name, kind=KIND_HF_EXPORT, step=step,
-                                                     prunable=False) as out:  # fmt: skip
-            if trainer.ctx.is_main:
-                write_adapter_dir(
-                    out, adapter, trainer.cfg, trainer.model, base_reference(trainer.cfg, root)
-                )
-        log.info("exported the LoRA adapter (PEFT format) to %s", root / name)
+        path = publish_adapter(adapter, trainer.model, trainer.cfg, trainer.tokenizer,
+                               trainer.run_dir / EXPORTS_SUBDIR, name, step=trainer.progress.global_step,
+                               fsync=self.fsync, is_main=trainer.ctx.is_main)  # fmt: skip
+        log.info("exported the LoRA adapter (PEFT format) to %s", path)

@@ -25,6 +25,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "veoptim.models",
         "veoptim.data",
         "veoptim.config",
+        "veoptim.export",
     ),
     "veoptim.optim": ("veoptim.checkpoint", "veoptim.state", "veoptim.trainer", "veoptim.data"),
     "veoptim.data": ("veoptim.models", "veoptim.optim", "veoptim.checkpoint", "veoptim.trainer"),

@@ -16,12 +16,12 @@ from tasks.export import main as export_main
 from tests.checkpoint.ckpt_state import build_trainer, save_with
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.hf_export import (
+from veoptim.checkpoint.manifest import read_manifest
+from veoptim.export.hf_format import (
     GENERATION_CONFIG_FILE,
     SAFETENSORS_FILE,
     SAFETENSORS_INDEX_FILE,
 )
-from veoptim.checkpoint.manifest import read_manifest
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from tasks.export import main as export_main
 from tasks.generate import main
 from tests.checkpoint.ckpt_state import build_trainer
 from tests.conftest import REPO
-from veoptim.export.lora_formats import BASE_EXPORT
+from veoptim.export.adapters import BASE_EXPORT
 
 PROMPTS = ["What is 12+30?", 'Repeat "melon crab"', "Reverse: cat dog"]
 NEW_TOKENS = 12

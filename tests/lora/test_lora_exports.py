@@ -13,7 +13,7 @@ from callbacks import standard_callbacks
 from tasks.export import main as export_main
 from tests.checkpoint.ckpt_state import build_trainer
 from tests.lora.helpers import load_peft_strictly, logits
-from veoptim.export.lora_formats import BASE_EXPORT
+from veoptim.export.adapters import BASE_EXPORT
 
 LORA = ["lora.enabled=true", "lora.r=4", "model.dtype=fp32", "export.hf=true", "export.dtype=fp32",
         "train.max_steps=3"]  # fmt: skip

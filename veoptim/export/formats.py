@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from veoptim.checkpoint.hf_export import KIND_HF_EXPORT, export_dtype, write_hf_export
 from veoptim.checkpoint.manifest import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import Published, Publisher
 from veoptim.errors import CheckpointError, ConfigError
 from veoptim.export.dcp_format import write_dcp
+from veoptim.export.hf_format import KIND_HF_EXPORT, export_dtype, write_hf_export
 from veoptim.export.lora_formats import write_merged, write_peft
 from veoptim.export.source import (
     CheckpointSource,

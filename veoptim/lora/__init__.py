@@ -1,4 +1,8 @@
-"""LoRA: adapters on a frozen base (layer, injection, checkpoint state, PEFT export)."""
+"""LoRA: adapters on a frozen base (layer, injection, checkpoint state, PEFT format).
+
+The multi-LoRA runtime is ``veoptim.lora.slots`` (``SlotTrainer``, ``MultiLoRAConfig``):
+importing the adapters alone does not import it, nor the optimizers it brings.
+"""
 
 from veoptim.lora.experts import LoRAExperts
 from veoptim.lora.inject import (
@@ -21,17 +25,3 @@ __all__ = [
     "lora_layers",
     "target_names",
 ]
-
-
-def __getattr__(name: str):  # noqa: ANN202 - module attribute hook
-    """``veoptim.lora.SlotTrainer`` (and ``MultiLoRAConfig``), imported on first use: the
-    slot runtime brings the optimizers and checkpointing, which adapters alone do not need."""
-    if name in ("SlotTrainer", "MultiLoRAConfig", "SlotLoss"):
-        from veoptim.lora import slots
-
-        return getattr(slots, name)
-    if name == "check_adapter_base":
-        from veoptim.lora.peft_format import check_adapter_base
-
-        return check_adapter_base
-    raise AttributeError(f"module 'veoptim.lora' has no attribute {name!r}")

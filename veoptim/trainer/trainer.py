@@ -106,7 +106,7 @@ class Trainer:
         if cfg.lora.num_slots:
             raise ConfigError(
                 f"lora.num_slots={cfg.lora.num_slots} asks for multi-LoRA slots, which the "
-                "multi-LoRA trainer runs (python -m tasks.multi_lora, veoptim.lora.SlotTrainer); "
+                "multi-LoRA trainer runs (python -m tasks.multi_lora, veoptim.lora.slots.SlotTrainer); "
                 "this task trains one adapter with lora.enabled=true and lora.num_slots=0."
             )
         tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)

@@ -44,7 +44,7 @@ def test_importing_the_adapters_does_not_import_the_slot_runtime():
     code = (
         "import sys, veoptim.lora\n"
         "assert 'veoptim.optim' not in sys.modules and 'veoptim.lora.slots' not in sys.modules\n"
-        "from veoptim.lora import SlotTrainer, MultiLoRAConfig\n"
+        "from veoptim.lora.slots import SlotTrainer, MultiLoRAConfig\n"
         "print(SlotTrainer.__module__)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
