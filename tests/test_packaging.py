@@ -101,7 +101,7 @@ def test_the_task_commands_are_console_scripts(wheel):
 
 def test_the_native_kernel_source_is_in_the_wheel(wheel):
     """The CPU optimizer kernel is compiled from its source at run time."""
-    assert "veoptim/optim/native/adamw.c" in wheel.namelist()
+    assert "veoptim/optim/kernels/adamw.c" in wheel.namelist()
 
 
 def test_the_wheel_claims_no_top_level_name_but_veoptim(wheel):

@@ -11,7 +11,7 @@ same device: ``fraction_of_copy_bw`` = (ideal bytes per parameter x count / time
 cpu_offload_adamw <= 1.25x of the baseline.
 
 The exact types run with ``kernel="auto"``: on CPU the native one-pass kernel
-(``veoptim/optim/native_kernel.py``), on an accelerator the compiled one; the
+(``veoptim/optim/kernels/native.py``), on an accelerator the compiled one; the
 ``*_eager`` variants force the widening engine (the "before" of either), and
 ``host_update_bf16_params`` is the host kernel alone (the same state on CPU), so
 ``cpu_offload_adamw`` is reported against the resident step and against that

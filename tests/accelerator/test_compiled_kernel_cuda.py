@@ -13,7 +13,7 @@ import torch
 
 from tests.optim.helpers import HYPER, make_params, masters, set_grads
 from veoptim.optim import EXP_AVG, EXP_AVG_SQ, FullFP32AdamW, MasterFP32AdamW
-from veoptim.optim import compiled_kernel as ck
+from veoptim.optim.kernels import compiled as ck
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

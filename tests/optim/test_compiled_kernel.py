@@ -1,6 +1,6 @@
 """CPU reference of the compiled accelerator kernel: the same function, uncompiled.
 
-``compiled_kernel.adamw_mixed_`` is what ``torch.compile`` turns into one kernel on
+``kernels.compiled.adamw_mixed_`` is what ``torch.compile`` turns into one kernel on
 cuda/npu. Here it runs eagerly on CPU (installed as the CPU "compiled" kernel) and
 is compared with the eager engine (torch's fused kernel on widened operands).
 Not bitwise: FMA contraction and operation order differ in the last bit. Stated
@@ -31,7 +31,7 @@ from veoptim.optim import (
     FullFP32AdamW,
     MasterFP32AdamW,
 )
-from veoptim.optim import compiled_kernel as ck
+from veoptim.optim.kernels import compiled as ck
 
 STEPS = 100
 CASES = {

@@ -27,7 +27,7 @@ from veoptim.optim import (
     FullFP32AdamW,
     MasterFP32AdamW,
 )
-from veoptim.optim import native_kernel as nk
+from veoptim.optim.kernels import native as nk
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
 

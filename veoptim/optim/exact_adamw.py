@@ -28,17 +28,10 @@ import torch
 from torch.optim import Optimizer
 
 from veoptim.errors import ConfigError
+from veoptim.optim import kernels
 from veoptim.optim.base import ValidatedOptimizerMixin
-from veoptim.optim.compiled_kernel import check_kernel, compiled_update_, use_compiled
 from veoptim.optim.dtensor_util import global_flat_offset, local, wrap_like
-from veoptim.optim.fused_engine import (
-    DEFAULT_FUSED_CHUNK,
-    Hyper,
-    Scratch,
-    UpdateBatch,
-    adamw_update_,
-)
-from veoptim.optim.native_kernel import native_for
+from veoptim.optim.kernels.eager import DEFAULT_FUSED_CHUNK, Hyper, Scratch, UpdateBatch
 from veoptim.optim.offload import StagingBuffer, offload_update_
 from veoptim.optim.param_edits import EditFollowingMixin, Mark, log_rederived, mark_of
 from veoptim.optim.rounding import noise_key
@@ -116,8 +109,8 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
         self.chunk_size = chunk_size
         self.fused_chunk_size = fused_chunk_size
         #: "auto": a compiled mixed-dtype kernel on cuda/npu, the native one on CPU where it
-        #: builds (native_kernel.py), else the eager engine ("eager", "compiled" force one).
-        self.kernel = check_kernel(kernel)
+        #: builds (kernels/native.py), else the eager engine ("eager", "compiled" force one).
+        self.kernel = kernels.check_kernel(kernel)
         self.param_names: dict[int, str] = dict(param_names or {})
         self._init_runtime()
         super().__init__(params, defaults)
@@ -301,24 +294,18 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
         hp = Hyper(
             float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], group["maximize"]
         )
+        sr = self.stochastic_rounding
         if offloaded:
             device = local(params[0]).device
             staging = self._staging.get(device)
             if staging is None:
                 staging = self._staging[device] = StagingBuffer(self.chunk_size, device)
-            sr = self.stochastic_rounding
-            native = native_for(self.kernel, batch, sr, offloaded=True)
-            offload_update_(batch, hp, staging, self._host_scratch, sr, native)
+            host = kernels.select_host(self.kernel, batch, stochastic_rounding=sr)
+            offload_update_(batch, hp, staging, self._host_scratch, sr, host)
         else:
-            device = batch.masters[0].device
-            sr = self.stochastic_rounding
-            native = native_for(self.kernel, batch, sr)
-            if native is not None:
-                native.update_(batch, hp)
-            elif not (
-                use_compiled(self.kernel, device.type, sr) and compiled_update_(batch, hp, device)
-            ):
-                adamw_update_(batch, hp, self._scratch, self.fused_chunk_size, sr)
+            kernel = kernels.select(self.kernel, batch, stochastic_rounding=sr,
+                                    scratch=self._scratch, chunk=self.fused_chunk_size)  # fmt: skip
+            kernel.update_(batch, hp)
         for p in params:
             self._marks[p] = mark_of(p)
 

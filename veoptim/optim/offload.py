@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from veoptim.distributed.device import Event, accelerator
-from veoptim.optim.fused_engine import Hyper, Scratch, UpdateBatch, _widen, align_chunk
-from veoptim.optim.native_kernel import NativeKernel
+from veoptim.optim.kernels.eager import Hyper, Scratch, UpdateBatch, _widen, align_chunk
+from veoptim.optim.kernels.native import NativeKernel
 from veoptim.optim.rounding import write_back_
 
 _SLOT_ITEMSIZE = 4  # widest supported parameter/gradient dtype (FP32)

@@ -1,6 +1,6 @@
-"""The CPU mixed-dtype AdamW kernel (``native/adamw.c``): one pass, bitwise the eager engine.
+"""The CPU mixed-dtype AdamW kernel (``adamw.c``): one pass, bitwise the eager engine.
 
-With BF16 gradients or moments, the eager engine (``fused_engine.py``) runs torch's
+With BF16 gradients or moments, the eager engine (``eager.py``) runs torch's
 one-dtype fused kernel on FP32 scratch and pays a widening or narrowing pass per
 narrow operand: 1.4-2.3x torch's FP32 AdamW on CPU. ``adamw.c`` widens, updates and
 narrows in registers, with torch's FP32 arithmetic operation for operation, so its
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from veoptim.optim.fused_engine import Hyper, Scratch, UpdateBatch, adamw_update_
+from veoptim.optim.kernels.eager import Hyper, Scratch, UpdateBatch, adamw_update_
 
 LOG = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "adamw.c"
+SOURCE = Path(__file__).with_name("adamw.c")
 #: -ffp-contract=off: the source spells out every fused multiply-add torch's kernel
 #: uses, and the compiler must add none; -fno-math-errno lets sqrtf vectorise.
 #: -fopenmp: the work is shared over torch's OpenMP threads (see adamw.c).

@@ -1,7 +1,7 @@
 """One fused mixed-dtype AdamW kernel per tensor for CUDA and NPU, built with ``torch.compile``.
 
 torch's ``_fused_adamw_`` takes one dtype per call, so the eager engine
-(``fused_engine.py``) widens BF16 gradients/moments into FP32 scratch and narrows
+(``eager.py``) widens BF16 gradients/moments into FP32 scratch and narrows
 them back: one extra pass per narrow operand. On an accelerator the same update
 written as plain tensor ops and compiled by inductor is one kernel that reads the
 FP32 master, the gradient and the moments in their stored dtypes once and writes
@@ -15,7 +15,7 @@ update within the tolerance ``tests/optim/test_compiled_kernel.py`` states.
 Resume stays bitwise because a resumed run uses the same kernel.
 
 Selection (``kernel=`` of the exact optimizers): ``"auto"`` compiles on cuda and npu
-(on CPU it takes the native kernel, ``native_kernel.py``); ``"eager"`` never compiles;
+(on CPU it takes the native kernel, ``native.py``); ``"eager"`` never compiles;
 ``"compiled"`` compiles on any device (CPU needs a C++ compiler). Stochastic rounding always
 uses the eager engine (its noise hash is defined there).
 """
@@ -27,20 +27,12 @@ from collections.abc import Callable
 
 import torch
 
-from veoptim.errors import ConfigError
-from veoptim.optim.fused_engine import Hyper, UpdateBatch
+from veoptim.optim.kernels.eager import Hyper, UpdateBatch
 
 LOG = logging.getLogger(__name__)
 
-KERNELS = ("auto", "eager", "compiled")
 #: Devices where ``kernel="auto"`` compiles the update.
 COMPILED_DEVICE_TYPES = ("cuda", "npu")
-
-
-def check_kernel(kernel: object) -> str:
-    if kernel not in KERNELS:
-        raise ConfigError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}.")
-    return str(kernel)
 
 
 def adamw_mixed_(

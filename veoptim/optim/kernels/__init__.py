@@ -1,0 +1,107 @@
+"""The AdamW update kernels behind one door: :func:`select` picks, ``update_`` runs.
+
+An exact optimizer builds an :class:`UpdateBatch` of its parameters' flat tensors, increments
+their steps and makes one call, ``select(...).update_(batch, hyper)``. The backends share the
+batch types of ``eager.py``:
+
+- ``eager.py``: torch's ``_fused_adamw_`` on FP32, narrow operands widened and narrowed in
+  scratch; the reference arithmetic, and the only kernel with stochastic rounding.
+- ``native.py`` (compiled from ``adamw.c`` on first use): the one-pass CPU kernel, bitwise
+  the eager one for every dtype combination, checked against it before first use.
+- ``compiled.py``: the same update through ``torch.compile`` on cuda and npu (not bitwise
+  the eager one; a resumed run uses the same kernel, so resume stays bitwise).
+
+``kernel=`` of the exact optimizers: ``auto`` (native on CPU where it builds and there is
+something to convert, compiled on cuda/npu, else eager), ``eager``, ``compiled``. Offloaded
+groups stage device gradients to the host chunk by chunk (``optim/offload.py``); their host
+update is :func:`select_host`'s. A new kernel is one module with an ``update_`` and its
+line in :func:`select`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from veoptim.errors import ConfigError
+from veoptim.optim.kernels.compiled import compiled_update_, use_compiled
+from veoptim.optim.kernels.eager import Hyper, Scratch, UpdateBatch, adamw_update_
+from veoptim.optim.kernels.native import NativeKernel, native_for
+
+KERNELS = ("auto", "eager", "compiled")
+
+
+def check_kernel(kernel: object) -> str:
+    """``kernel=`` of the exact optimizers, checked."""
+    if kernel not in KERNELS:
+        raise ConfigError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}.")
+    return str(kernel)
+
+
+class Kernel(Protocol):
+    def update_(self, batch: UpdateBatch, hp: Hyper) -> None:
+        """One AdamW step of every tensor of ``batch`` (steps already incremented)."""
+
+
+@dataclass(frozen=True)
+class EagerKernel:
+    """torch's fused AdamW on FP32, with the optimizer's scratch for narrow operands."""
+
+    scratch: Scratch
+    chunk: int
+    stochastic_rounding: bool
+
+    def update_(self, batch: UpdateBatch, hp: Hyper) -> None:
+        adamw_update_(batch, hp, self.scratch, self.chunk, self.stochastic_rounding)
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """The compiled update on ``device``; the eager one where compiling fails."""
+
+    device: torch.device
+    fallback: EagerKernel
+
+    def update_(self, batch: UpdateBatch, hp: Hyper) -> None:
+        if not compiled_update_(batch, hp, self.device):
+            self.fallback.update_(batch, hp)
+
+
+def select(
+    kernel: str, batch: UpdateBatch, *, stochastic_rounding: bool, scratch: Scratch, chunk: int
+) -> Kernel:
+    """The kernel that updates ``batch``, whose tensors are all on one device."""
+    sr = stochastic_rounding
+    native = native_for(kernel, batch, sr)
+    if native is not None:
+        return native
+    eager = EagerKernel(scratch, chunk, sr)
+    device = batch.masters[0].device
+    if use_compiled(kernel, device.type, sr):
+        return CompiledKernel(device, eager)
+    return eager
+
+
+def select_host(
+    kernel: str, batch: UpdateBatch, *, stochastic_rounding: bool
+) -> NativeKernel | None:
+    """The one-pass host kernel for an offloaded batch (host masters and moments, gradients
+    staged from the device), or None: offload.py's chunk loop with the eager update."""
+    return native_for(kernel, batch, stochastic_rounding, offloaded=True)
+
+
+__all__ = [
+    "KERNELS",
+    "CompiledKernel",
+    "EagerKernel",
+    "Hyper",
+    "Kernel",
+    "NativeKernel",
+    "Scratch",
+    "UpdateBatch",
+    "check_kernel",
+    "select",
+    "select_host",
+]
