@@ -2,6 +2,7 @@
 #   make demo   - set up, then a short SFT run of the bundled tiny model on CPU and its
 #                 greedy answers to held-out prompts
 #   make test   - set up, then lint and the whole test suite on CPU
+#   make test-fast - the inner loop: lint and the tests that start no process (a few minutes)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= disabled
 
-.PHONY: setup demo test lint format docs bench clean
+.PHONY: setup demo test test-fast lint format docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +25,10 @@ demo: setup
 	$(PY) -m scripts.demo_generate runs/sft/exports/hf_final
 
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -12,7 +12,7 @@ as Python ints, so the per-expert counts must reach the host once; :meth:`dispat
 fetches every count it needs (sent and received) in a single ``.tolist()`` and
 otherwise uses only ops whose output sizes are known on the host (no ``.item()``,
 ``bincount``, ``nonzero``, or ``repeat_interleave`` without ``output_size``). Combine
-and both backwards reuse those sizes. Counted by ``tests/distributed/test_grouped_experts.py``.
+and both backwards reuse those sizes. Counted by ``tests/models/test_grouped_experts.py``.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def experts_forward(
     per expert on its slice (``groups.counts``, already on the host) — the path for
     devices without a sync-free grouped kernel, and the reference the grouped path is
     tested against: on CPU both are bitwise equal, FP32 and BF16
-    (``tests/distributed/test_grouped_experts.py``). Either way every expert weight
+    (``tests/models/test_grouped_experts.py``). Either way every expert weight
     takes part whole, so an expert (or a rank) with no rows still gets a zero gradient
     on every rank and FSDP's gradient reduce-scatter sees the same tensors everywhere.
     """
