@@ -25,8 +25,8 @@ from tests.distributed.workers import full
 from veoptim.config.schema import LoRAConfig, ModelConfig, ParallelConfig
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
 from veoptim.lora import apply_lora
+from veoptim.models.activation_checkpointing import checkpointed_layers
 from veoptim.models.build import build_model
-from veoptim.models.checkpointing import checkpointed_layers
 
 VOCAB = 128
 SEQ_LEN = 24

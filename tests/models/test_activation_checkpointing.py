@@ -30,8 +30,8 @@ from tests.distributed.workers_ac import (
     run_case,
 )
 from veoptim.errors import ConfigError
+from veoptim.models.activation_checkpointing import enable_activation_checkpointing
 from veoptim.models.build import build_model
-from veoptim.models.checkpointing import enable_activation_checkpointing
 
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32"}
 SINGLE_CASES: dict[str, dict[str, Any]] = {
@@ -140,7 +140,7 @@ def test_model_without_support_is_refused() -> None:
 
 def test_config_key_reaches_the_model(tmp_path: Path) -> None:
     """Built from config and loaded from model.path alike (on meta too)."""
-    from veoptim.models.checkpointing import checkpointed_layers
+    from veoptim.models.activation_checkpointing import checkpointed_layers
 
     build_model(DENSE, VOCAB).save_pretrained(tmp_path)
     cfg = replace(DENSE, path=str(tmp_path), activation_checkpointing=True)

@@ -11,7 +11,7 @@ and then summed over ``efsdp`` (and ``dp_replicate``) by FSDP.
 Activation checkpointing (``model.activation_checkpointing``) is set on the decoder
 layers by ``build_model`` before the plan and needs nothing here: each layer's
 ``forward`` is recomputed inside the FSDP2 unit's hooks, so parameter names and the
-sharding are those of a run without it (``veoptim/models/checkpointing.py``).
+sharding are those of a run without it (``veoptim/models/activation_checkpointing.py``).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from transformers import (
 from veoptim.config.schema import ModelConfig
 from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError
+from veoptim.models.activation_checkpointing import enable_activation_checkpointing
 from veoptim.models.attention import check_attn_implementation
-from veoptim.models.checkpointing import enable_activation_checkpointing
 from veoptim.models.sharded_load import parameters_on_meta
 
 SUPPORTED_ARCHS = {
