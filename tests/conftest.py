@@ -65,6 +65,7 @@ SLOW_MODULES = (
     "recipes/test_recipe_configs.py",
     "recipes/test_recipe_smoke.py",
     "scripts/test_sweep_report.py",
+    "scripts/test_trace_checkpoint.py",
     "service/test_cookbook.py",
     "service/test_isolation.py",
     "service/test_keys.py",

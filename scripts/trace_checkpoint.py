@@ -1,0 +1,114 @@
+"""Which library files one save and one resume pass through, and how often they call across files.
+
+A newcomer reading a save or a resume follows the calls file by file; this measures that
+path on the bundled tiny model (one process, CPU): every Python call made while
+``Trainer.save_checkpoint`` runs, then while a fresh trainer's ``Trainer.resume`` loads
+that checkpoint, recorded with ``sys.setprofile``. Prints JSON: per operation, the files
+of ``veoptim/`` entered (grouped as checkpoint mechanism, DCP storage, and the rest) and
+the number of distinct caller -> callee file edges between them.
+
+    .venv/bin/python scripts/trace_checkpoint.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tasks.compose import load_config  # noqa: E402
+from veoptim.distributed import init_distributed  # noqa: E402
+from veoptim.trainer import Trainer  # noqa: E402
+
+LIBRARY = REPO / "veoptim"
+#: The checkpoint mechanism: what a save or resume is made of, beside the state it moves.
+MECHANISM = ("checkpoint/", "trainer/checkpointing.py", "distributed/agreement.py")
+#: DCP storage: the raw format's writer and reader, prefault, read-ahead.
+STORAGE = (
+    "checkpoint/raw_",
+    "checkpoint/safe_dcp.py",
+    "checkpoint/prefault",
+    "checkpoint/readahead.py",
+    "checkpoint/prefetch.py",
+)
+OVERRIDES = [
+    "run.device=cpu",
+    "train.max_steps=2",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "scheduler.warmup_steps=1",
+    "logging.progress=false",
+    "export.hf=false",
+    "optim=full_fp32_adamw",
+]
+
+
+def trace(call: Callable[[], object]) -> tuple[set[str], set[tuple[str, str]]]:
+    """The library files entered during ``call()`` and the cross-file call edges."""
+    files: set[str] = set()
+    edges: set[tuple[str, str]] = set()
+
+    def library_file(frame) -> str | None:
+        path = Path(frame.f_code.co_filename)
+        try:
+            return path.resolve().relative_to(LIBRARY).as_posix()
+        except ValueError:
+            return None
+
+    def profile(frame, event, arg) -> None:
+        if event != "call":
+            return
+        callee = library_file(frame)
+        if callee is None:
+            return
+        files.add(callee)
+        caller = frame.f_back
+        while caller is not None and library_file(caller) is None:
+            caller = caller.f_back  # through torch's frames to the library file that called
+        if caller is not None and library_file(caller) != callee:
+            edges.add((library_file(caller), callee))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return files, edges
+
+
+def summary(files: set[str], edges: set[tuple[str, str]]) -> dict:
+    storage = sorted(f for f in files if f.startswith(STORAGE))
+    mechanism = sorted(f for f in files if f.startswith(MECHANISM) and f not in storage)
+    into_storage = sorted({a for a, b in edges if b in storage and a not in storage})
+    return {
+        "mechanism_files": mechanism,
+        "storage_files": storage,
+        "callers_into_storage": into_storage,
+        "other_library_files": len(files) - len(mechanism) - len(storage),
+        "cross_file_edges_in_mechanism": sum(
+            1 for a, b in edges if a in mechanism + storage and b in mechanism + storage
+        ),
+    }
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config("sft", [*OVERRIDES, f"run.dir={tmp}/run"])
+        trainer = Trainer.from_config(cfg, init_distributed("cpu", "auto", {}))
+        trainer.train_step()
+        saved = summary(*trace(lambda: trainer.save_checkpoint()))
+        resume_cfg = load_config(
+            "sft", [*OVERRIDES, f"run.dir={tmp}/run", "checkpoint.resume=auto"]
+        )
+        fresh = Trainer.from_config(resume_cfg, init_distributed("cpu", "auto", {}))
+        resumed = summary(*trace(fresh.resume))
+    print(json.dumps({"save": saved, "resume": resumed}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
