@@ -1,7 +1,7 @@
 """Fresh-process resume equivalence on 1, 2 and 4 gloo ranks, with negative controls.
 
-For every variant (world size x dense FSDP2 / MoE EP x FSDP x optimizer type x param
-dtype) ``tasks.sft`` runs N+K steps straight, and N steps with ``train.stop_at_step=N``
+For every variant (world size, dense FSDP2 or MoE EP x FSDP, optimizer type, param dtype:
+each optimizer and each world size, not their product) ``tasks.sft`` runs N+K steps straight, and N steps with ``train.stop_at_step=N``
 followed by a NEW process with ``checkpoint.resume=auto`` to N+K. Both final
 checkpoints are read back into full tensors and must be bitwise equal: parameters,
 FP32 masters, moments, step counters, LR scheduler and param groups, progress, sampler
