@@ -27,7 +27,6 @@ from tests.distributed.fake_npu import (
     name_privateuse1_npu,
 )
 from veoptim.checkpoint.component import SavedComponent
-from veoptim.checkpoint.contents import INFO_WORLD_SIZE
 from veoptim.distributed import context, init_distributed, resolve_device
 from veoptim.distributed.device import accelerator, local_device
 from veoptim.errors import ConfigError, DistributedError
@@ -240,7 +239,8 @@ def test_rng_component_restores_the_npu_state_it_saved(npu):
         path=Path("ckpt"),
         json=json.loads(json.dumps(saved_state.json)),
         tensors={},
-        info={INFO_WORLD_SIZE: 1},
+        step=1,
+        world_size=1,
     )
     staged = component.stage(saved)
     assert torch.equal(npu.rng[1], torch.full((16,), 9, dtype=torch.uint8)), "stage writes nothing"

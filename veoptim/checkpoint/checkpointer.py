@@ -323,7 +323,9 @@ class Checkpointer:
                 path=path,
                 json=self._saved_json(path, name, saved[name], info),
                 tensors=saved_inventory(metadata, name, dcp_dir),
-                info=info,
+                step=info[C.INFO_STEP],
+                world_size=info[C.INFO_WORLD_SIZE],
+                layout=info.get(C.INFO_LAYOUT),
             )
             staged[name] = component.stage(view)
             expected.update(prefixed(name, staged[name].expected))

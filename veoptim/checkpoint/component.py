@@ -20,7 +20,7 @@ agreement; so a rejected checkpoint leaves the live run unchanged.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,14 +64,18 @@ class SavedComponent:
 
     ``json`` is the shared JSON, or this rank's (None when the checkpoint was saved on
     fewer ranks than this run has); ``tensors`` the saved inventory under the component's
-    prefix; ``info`` the checkpoint's ``checkpoint.json`` (step, world size, layout).
+    prefix; ``step``, ``world_size`` and ``layout`` (the parallel layout's JSON, None if
+    none was recorded) what the checkpoint records for the whole save, read and checked by
+    the checkpointer: no component parses ``checkpoint.json`` itself.
     """
 
     name: str
     path: Path
     json: Any
     tensors: Inventory
-    info: Mapping[str, Any]
+    step: int
+    world_size: int
+    layout: Any = None
 
 
 def _nothing() -> None:

@@ -28,7 +28,6 @@ from veoptim.checkpoint.component import (
     Staged,
     TensorSpec,
 )
-from veoptim.checkpoint.contents import INFO_LAYOUT
 from veoptim.distributed.layout import LayoutMetadata
 from veoptim.errors import CheckpointError
 from veoptim.optim import dcp_state_init
@@ -184,7 +183,7 @@ class OptimizerState:
         return ComponentState(tensors=state, json={PARAM_GROUPS: groups, STATELESS: stateless})
 
     def stage(self, saved: SavedComponent) -> Staged:
-        saved_layout = LayoutMetadata.from_json(saved.info.get(INFO_LAYOUT))
+        saved_layout = LayoutMetadata.from_json(saved.layout)
         reason = saved_layout.optimizer_compatible(self.layout)
         if reason is not None:
             raise CheckpointError(

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
-from veoptim.checkpoint.contents import INFO_WORLD_SIZE
 from veoptim.distributed.device import accelerator
 from veoptim.errors import CheckpointError
 
@@ -71,7 +70,7 @@ class RNGState:
         return ComponentState(json=capture_rng(self.device), json_per_rank=True)
 
     def stage(self, saved: SavedComponent) -> Staged:
-        saved_world = saved.info.get(INFO_WORLD_SIZE)
+        saved_world = saved.world_size
         if saved_world != self.world_size:
             log.warning(
                 "RNG states are not restored: %s was saved on %s ranks, this run has %d "

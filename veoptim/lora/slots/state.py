@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
-from veoptim.checkpoint.contents import INFO_LAYOUT, INFO_WORLD_SIZE
 from veoptim.errors import CheckpointError
 from veoptim.lora.layer import AdapterSpec
 from veoptim.lora.slots.optim import SlotOptimizer
@@ -124,7 +123,7 @@ class SlotOptimizerState:
     def stage(self, saved: SavedComponent) -> Staged:
         params, optimizer = self.slot_optimizer.params, self._optimizer
         where = f"the optimizer state of slot checkpoint {saved.path}"
-        saved_world, saved_layout = saved.info.get(INFO_WORLD_SIZE), saved.info.get(INFO_LAYOUT)
+        saved_world, saved_layout = saved.world_size, saved.layout
         if saved_world != self.world or saved_layout != self.layout:
             raise CheckpointError(
                 f"{where} was saved on {saved_world} ranks, layout {_describe(saved_layout)}; "
