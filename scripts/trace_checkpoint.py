@@ -27,7 +27,7 @@ from veoptim.trainer import Trainer  # noqa: E402
 
 LIBRARY = REPO / "veoptim"
 #: The checkpoint mechanism: what a save or resume is made of, beside the state it moves.
-MECHANISM = ("checkpoint/", "trainer/checkpointing.py", "distributed/agreement.py")
+MECHANISM = ("checkpoint/", "distributed/agreement.py")
 #: DCP storage: the raw format's writer and reader, prefault, read-ahead.
 STORAGE = (
     "checkpoint/raw_",

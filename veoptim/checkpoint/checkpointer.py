@@ -252,6 +252,17 @@ class Checkpointer:
         a path), resolved once on rank 0 and agreed; None for ``auto`` in an empty root."""
         return resolve_agreed(self.root, ref, self.group)
 
+    def restore(
+        self, components: Components, ref: str, *, exact: bool = True
+    ) -> tuple[Path, int] | None:
+        """Resolve ``ref`` once (agreed; ``auto`` = the newest complete checkpoint) and load
+        it into ``components``: the version and its step, or None for ``auto`` in a root
+        without a complete checkpoint. ``exact`` as for :meth:`load`."""
+        path = self.resolve(ref)
+        if path is None:
+            return None
+        return path, self.load(components, path, exact=exact)
+
     def load(self, components: Components, path: Path, *, exact: bool = True) -> int:
         """Restore ``components`` from the resolved version ``path``; returns its step.
 

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 from types import FrameType, TracebackType
 
 log = logging.getLogger(__name__)
@@ -54,3 +55,16 @@ class PreemptionGuard:
             "%s received: finishing the current step, then saving and stopping "
             "(send it again to exit at once)", signal.Signals(signum).name,
         )  # fmt: skip
+
+
+def preempted_message(step: int, saved_in: Path | None) -> str:
+    """What a preempted run tells the user: where it stopped (``step``), where its checkpoint
+    is (None: ``checkpoint.save_on_signal=false``) and how to go on."""
+    if saved_in is not None:
+        saved = f"its checkpoint is in {saved_in}"
+    else:
+        saved = "nothing was saved (checkpoint.save_on_signal=false)"
+    return (
+        f"stopped on SIGTERM/SIGINT after step {step}; {saved}. Continue with the same "
+        "command plus checkpoint.resume=auto."
+    )

@@ -37,24 +37,35 @@ from veoptim.errors import (
     LiveStateInvalidError,
     PreemptedError,
 )
+from veoptim.lora.state import base_fingerprint
 from veoptim.models.build import check_model_fits
 from veoptim.optim import build_optimizer, build_scheduler
+from veoptim.state.standard import standard_components, weights_only
 from veoptim.trainer.callback import Callback, CallbackList, Metrics
-from veoptim.trainer.checkpointing import (
-    build_checkpointer,
-    load_checkpoint,
-    preempted_message,
-    refuse_used_root,
-    standard_state,
-    weights_state,
-)
 from veoptim.trainer.evaluation import EvalSet, build_eval_set, evaluate
 from veoptim.trainer.model_setup import unsharded_model
 from veoptim.trainer.objective import MicroBatch, Objective
-from veoptim.trainer.preemption import PreemptionGuard
+from veoptim.trainer.preemption import PreemptionGuard, preempted_message
 from veoptim.trainer.progress import RunIds, TrainerProgress
 
 log = logging.getLogger(__name__)
+
+
+def build_checkpointer(cfg: TrainerConfig, run_dir: Path, ctx: DistContext) -> Checkpointer:
+    """The run's checkpointer; async saves get their own process group (gloo aborts if
+    training reuses the default one)."""
+    ckpt = cfg.checkpoint
+    async_group = None
+    if ckpt.async_save and ctx.world_size > 1:
+        async_group = torch.distributed.new_group(backend="gloo")
+    return Checkpointer(
+        ckpt.root_dir(run_dir),
+        keep_last=ckpt.keep_last,
+        fsync=ckpt.fsync,
+        write_threads=ckpt.write_threads,
+        storage_format=ckpt.format,
+        async_group=async_group,
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -160,10 +171,27 @@ class Trainer:
             scheduler=scheduler,
             callbacks=CallbackList(callbacks or []),
             run_dir=run_dir,
-            checkpointer=build_checkpointer(cfg.checkpoint, run_dir, ctx),
+            checkpointer=build_checkpointer(cfg, run_dir, ctx),
             eval_set=eval_set,
         )
-        for name, component in standard_state(trainer).items():
+        lora_base = None
+        if cfg.lora.enabled:  # the adapters are saved with what base they belong to
+            lora_base = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
+        standard = standard_components(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            sampler=sampler,
+            progress=trainer.progress,
+            run_ids=trainer.run_ids,
+            device=ctx.device,
+            world_size=ctx.world_size,
+            layout=plan.layout_metadata(),
+            config=trainer.recorded_config(),
+            defaults=asdict(type(cfg)()),
+            lora_base=lora_base,
+        )
+        for name, component in standard.items():
             trainer.register_state(name, component)
         for name, component in objective.state_components().items():
             trainer.register_state(name, component)
@@ -180,6 +208,14 @@ class Trainer:
     def config_dict(self) -> dict[str, Any]:
         """The resolved config as plain data (what checkpoints record)."""
         return asdict(self.cfg)
+
+    def recorded_config(self) -> dict[str, Any]:
+        """The resolved config a checkpoint records, with ``train.max_steps`` the run's
+        actual length (from ``train.epochs``, or the default when neither is set), so a
+        resume compares what the schedule targets, not how it was asked for."""
+        config = self.config_dict
+        config["train"] = {**config["train"], "max_steps": self.max_steps}
+        return config
 
     @property
     def max_steps(self) -> int:
@@ -202,16 +238,41 @@ class Trainer:
         if cfg.resume:
             self.resumed_from = self.load_checkpoint(cfg.resume, load_optimizer=cfg.load_optimizer)
         elif not cfg.overwrite:
-            refuse_used_root(self.checkpointer)
+            found = self.checkpointer.latest()  # agreed
+            if found is not None:
+                raise ConfigError(
+                    f"{self.checkpointer.root} already holds checkpoints (newest: {found}) and "
+                    "checkpoint.resume is empty; continue that run with checkpoint.resume=auto, "
+                    "use another run.dir (or checkpoint.root), or pass "
+                    "checkpoint.overwrite=true to start over in it."
+                )
 
     def load_checkpoint(self, ref: str, *, load_optimizer: bool = True) -> Path | None:
         """Load ``ref`` (``auto``, a name or a path) into every state component, or only the
-        weights; returns the version loaded (None: ``auto`` found no checkpoint)."""
+        model weights (checking that the model config matches; everything else stays as it
+        is); returns the version loaded (None: ``auto`` found no checkpoint, the run starts
+        fresh). A full load requires the checkpoint's components to be exactly the run's."""
+        components = self.state if load_optimizer else self._weights_state()
         try:
-            return load_checkpoint(self, ref, load_optimizer=load_optimizer)
+            restored = self.checkpointer.restore(components, ref, exact=load_optimizer)
         except LiveStateInvalidError:
             self.state_invalid = True
             raise
+        if restored is None:
+            log.info(
+                "checkpoint.resume=auto: no checkpoint in %s, starting fresh",
+                self.checkpointer.root,
+            )
+            return None
+        path, step = restored
+        what = ", ".join(components) if load_optimizer else (
+            "model weights only (optimizer, scheduler and data position start fresh)"
+        )  # fmt: skip
+        log.info("restored %s from %s (step %d)", what, path, step)
+        return path
+
+    def _weights_state(self) -> dict[str, StateComponent]:
+        return weights_only(self.state, self.recorded_config())
 
     def save_checkpoint(self, name: str = "", *, async_save: bool = False) -> Published | None:
         """Save every state component as ``name`` (default ``step_<global step>``); with
@@ -219,7 +280,7 @@ class Trainer:
         step = self.progress.global_step
         full = self.cfg.checkpoint.save_optimizer
         return self.checkpointer.save(
-            self.state if full else weights_state(self),
+            self.state if full else self._weights_state(),
             name or step_name(step),
             step=step,
             layout=self.plan.layout_metadata().to_json(),
@@ -251,7 +312,8 @@ class Trainer:
             finally:
                 self._preemption = None
         if self.preempted:
-            raise PreemptedError(preempted_message(self))
+            saved_in = self.checkpointer.root if self.cfg.checkpoint.save_on_signal else None
+            raise PreemptedError(preempted_message(self.progress.global_step, saved_in))
         return self.progress
 
     def eval_due(self) -> bool:
