@@ -26,6 +26,7 @@ from tests.checkpoint.ckpt_state import (
 from tests.distributed.spawn import run_ranks
 from veoptim.checkpoint import latest_complete, step_name
 from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.faults import LOAD_PHASES, SAVE_PHASES
 from veoptim.errors import CheckpointError
 
 #: phase -> the rank that fails there. gather/writer run before DCP's own collectives: a
@@ -114,3 +115,9 @@ def test_failed_apply_says_the_live_state_is_invalid_on_every_rank(ranks, phase)
 @pytest.mark.parametrize("phase", UNCHANGED_AFTER)
 def test_failed_load_leaves_live_state_unchanged_on_every_rank(ranks, phase):
     assert all(r[f"load:{phase}"]["unchanged"] for r in ranks)
+
+
+def test_the_fault_scenarios_name_the_checkpointers_phases():
+    """Every phase a load fires is injected, and every injected phase is a named one."""
+    assert set(SAVE_FAULTS) <= set(SAVE_PHASES)
+    assert {phase.split(":")[0] for phase in LOAD_FAULTS} == set(LOAD_PHASES)

@@ -36,7 +36,16 @@ from veoptim.checkpoint.component import (
     check_component_name,
 )
 from veoptim.checkpoint.durable import fsync_all
-from veoptim.checkpoint.faults import FaultHook, fire
+from veoptim.checkpoint.faults import (
+    PHASE_APPLY,
+    PHASE_GATHER,
+    PHASE_READ,
+    PHASE_VALIDATE,
+    PHASE_WRITE,
+    PHASE_WRITER,
+    FaultHook,
+    fire,
+)
 from veoptim.checkpoint.inventory import compare_inventory, prefixed, saved_inventory
 from veoptim.checkpoint.manifest import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
@@ -54,8 +63,6 @@ Components = Mapping[str, StateComponent]
 #: What a phase catches and turns into an agreed failure. DCP's CheckpointException
 #: derives from BaseException, so ``except Exception`` alone would let it escape.
 PHASE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
-PHASE_GATHER, PHASE_WRITER, PHASE_WRITE = "gather", "writer", "write"
-PHASE_READ, PHASE_VALIDATE, PHASE_APPLY = "read", "validate", "apply"
 #: DCP names its writer threads after their target function (``Thread-1 (<target>)``).
 _DCP_WRITER_TARGET = "_write_files_from_queue"
 #: DCP writer threads per rank: each writes its own shard file. Two measured 1.35x the

@@ -1,9 +1,11 @@
 """Fault hooks: named points in a save where tests inject a failure or a crash.
 
-A hook is called with a phase name when a save reaches that point; whatever it raises (or
-a ``SIGKILL`` it sends) is a fault at exactly that point. Production code passes no hook.
-The publication phases are listed here, in the order a save reaches them, so that the
-crash and fault tests can iterate over all of them.
+A hook is called with a phase name when a save or a load reaches that point; whatever it
+raises (or a ``SIGKILL`` it sends) is a fault at exactly that point. Production code passes
+no hook. Every phase is named here, once: the publication's (``PHASES``, in the order a
+save reaches them, so the crash and fault tests can iterate over all of them), the
+checkpointer's own around them (``SAVE_PHASES``), and a load's (``LOAD_PHASES``; ``apply``
+fires once, then ``apply:<component>`` after each component is installed).
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ from collections.abc import Callable
 
 FaultHook = Callable[[str], None]
 
+PHASE_GATHER = "gather"  # every rank, before the components' state is gathered
+PHASE_WRITER = "writer"  # every rank, before the DCP storage writer is created
+PHASE_WRITE = "write"  # every rank, after dcp.save wrote this rank's files
+PHASE_VALIDATE = "validate"  # every rank, after the checkpoint is validated and staged
+PHASE_READ = "read"  # every rank, after dcp.load into the staging buffers
+PHASE_APPLY = "apply"  # every rank, before the first component is installed
 PHASE_PREPARED = "prepared"  # every rank, after the version directory exists
 PHASE_WRITTEN = "written"  # every rank, after the caller's writes, before their fsync
 PHASE_BEFORE_MANIFEST = "before_manifest"  # rank 0, every rank's files are in
@@ -29,6 +37,9 @@ PHASES = (
     PHASE_AFTER_REPLACE,
     PHASE_RETENTION,
 )
+#: A checkpointer's save, in order: the publication's first phase, its own, then the rest.
+SAVE_PHASES = (PHASE_PREPARED, PHASE_GATHER, PHASE_WRITER, PHASE_WRITE, *PHASES[1:])
+LOAD_PHASES = (PHASE_VALIDATE, PHASE_READ, PHASE_APPLY)
 
 
 def fire(hook: FaultHook | None, phase: str) -> None:
