@@ -15,17 +15,19 @@ from pathlib import Path
 import torch
 
 from veoptim.checkpoint.resolve import latest_complete
-from veoptim.config.launch import check_launch
 from veoptim.config.schema import TrainerConfig
-from veoptim.data import GlobalBatchSampler, load_tokenizer, special_token_ids
-from veoptim.data.holdout import split_holdout
+from veoptim.data import special_token_ids
 from veoptim.distributed import resolve_parallel_sizes
-from veoptim.errors import ConfigError
 from veoptim.lora import apply_lora
 from veoptim.models import build_model
-from veoptim.models.build import check_model_fits
 from veoptim.optim import build_scheduler
-from veoptim.trainer.evaluation import build_eval_set
+from veoptim.trainer.startup import (
+    build_sampler,
+    check_single_adapter,
+    load_inputs,
+    run_length,
+    used_root_error,
+)
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,7 @@ def _checkpoint_state(cfg: TrainerConfig, root: Path) -> str:
     if cfg.checkpoint.resume:
         return f"resumes from {cfg.checkpoint.resume}"
     if found and not cfg.checkpoint.overwrite:
-        raise ConfigError(
-            f"{root} already holds checkpoints (newest: {found}) and checkpoint.resume is "
-            "empty; continue that run with checkpoint.resume=auto, use another run.dir (or "
-            "checkpoint.root), or pass checkpoint.overwrite=true to start over in it."
-        )
+        raise used_root_error(root, found)
     return "starts over in it" if found else "empty: a fresh run"
 
 
@@ -94,38 +92,16 @@ def plan_run(cfg: TrainerConfig, world_size: int = 1) -> RunPlan:
 
     Raises what the real run would raise at startup (``ConfigError``, ``DataError``, ...).
     """
-    check_launch(cfg.parallel, world_size)
-    if cfg.lora.num_slots:
-        raise ConfigError(
-            f"lora.num_slots={cfg.lora.num_slots} asks for multi-LoRA slots, which the "
-            "multi-LoRA trainer runs (python -m tasks.multi_lora); this task trains one "
-            "adapter with lora.enabled=true and lora.num_slots=0."
-        )
-    tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
-    check_model_fits(cfg.model, len(tokenizer), cfg.data.max_seq_len, tokenizer.name_or_path)
-    objective = cfg.build_objective(tokenizer)
-    holdout = split_holdout(objective.num_examples, cfg.data.eval_fraction)
-    eval_set = build_eval_set(cfg, tokenizer, objective, holdout)
+    check_single_adapter(cfg, world_size)
+    inputs = load_inputs(cfg)
+    tokenizer, holdout, eval_set = inputs.tokenizer, inputs.holdout, inputs.eval_set
     model = build_model(cfg.model, len(tokenizer), special_token_ids(tokenizer), on_meta=True)
     if cfg.lora.enabled:
         apply_lora(model, cfg.lora, seed=cfg.model.init_seed)
     resolve_parallel_sizes(cfg.parallel, world_size, getattr(model.config, "num_experts", 0) or 0)
-    sampler = GlobalBatchSampler(
-        num_examples=len(holdout.train),
-        global_batch_size=cfg.train.global_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size,
-        dp_rank=0,
-        dp_size=world_size,  # every rank reads its own data shard
-        seed=cfg.train.seed,
-        data_fingerprint=holdout.fingerprint(objective.data_fingerprint),
-        indices=holdout.train if holdout.eval else None,
-    )
-    max_steps = cfg.train.total_steps(sampler.steps_per_epoch)
-    if cfg.train.stop_at_step > max_steps:
-        raise ConfigError(
-            f"train.stop_at_step ({cfg.train.stop_at_step}) must be <= the run's {max_steps} "
-            f"steps (train.epochs={cfg.train.epochs} x {sampler.steps_per_epoch} steps per epoch)."
-        )
+    # every rank reads its own data shard
+    sampler = build_sampler(cfg, inputs, dp_rank=0, dp_size=world_size)
+    max_steps = run_length(cfg, sampler)
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optim.lr)
     build_scheduler(probe, cfg.scheduler, max_steps)  # the schedule's checks, no optimizer state
     params = list(model.parameters())

@@ -25,10 +25,8 @@ import torch
 from veoptim.checkpoint import Published, step_name
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import StateComponent, check_component_name
-from veoptim.config.launch import check_launch
 from veoptim.config.schema import TrainerConfig
-from veoptim.data import GlobalBatchSampler, load_tokenizer, special_token_ids
-from veoptim.data.holdout import split_holdout
+from veoptim.data import GlobalBatchSampler, special_token_ids
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
 from veoptim.errors import (
     CheckpointError,
@@ -38,15 +36,21 @@ from veoptim.errors import (
     PreemptedError,
 )
 from veoptim.lora.state import base_fingerprint
-from veoptim.models.build import check_model_fits
 from veoptim.optim import build_optimizer, build_scheduler
 from veoptim.state.standard import standard_components, weights_only
 from veoptim.trainer.callback import Callback, CallbackList, Metrics
-from veoptim.trainer.evaluation import EvalSet, build_eval_set, evaluate
+from veoptim.trainer.evaluation import EvalSet, evaluate
 from veoptim.trainer.model_setup import unsharded_model
 from veoptim.trainer.objective import MicroBatch, Objective
 from veoptim.trainer.preemption import PreemptionGuard, preempted_message
 from veoptim.trainer.progress import RunIds, TrainerProgress
+from veoptim.trainer.startup import (
+    build_sampler,
+    check_single_adapter,
+    load_inputs,
+    run_length,
+    used_root_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +117,9 @@ class Trainer:
         """Build tokenizer, objective, model (with its parallel plan), optimizer, scheduler,
         sampler and checkpointer, and register the standard state components."""
         seed_everything(cfg.train.seed)
-        check_launch(cfg.parallel, ctx.world_size)  # a multi-rank config in one process
-        if cfg.lora.num_slots:
-            raise ConfigError(
-                f"lora.num_slots={cfg.lora.num_slots} asks for multi-LoRA slots, which the "
-                "multi-LoRA trainer runs (python -m tasks.multi_lora, veoptim.lora.slots.SlotTrainer); "
-                "this task trains one adapter with lora.enabled=true and lora.num_slots=0."
-            )
-        tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
-        check_model_fits(cfg.model, len(tokenizer), cfg.data.max_seq_len, tokenizer.name_or_path)
-        objective = cfg.build_objective(tokenizer)
-        holdout = split_holdout(objective.num_examples, cfg.data.eval_fraction)
-        eval_set = build_eval_set(cfg, tokenizer, objective, holdout)
+        check_single_adapter(cfg, ctx.world_size)
+        inputs = load_inputs(cfg)
+        tokenizer, objective = inputs.tokenizer, inputs.objective
         special = special_token_ids(tokenizer)
         model, files = unsharded_model(cfg, ctx, len(tokenizer), special)
         plan = build_parallel_plan(
@@ -140,24 +135,8 @@ class Trainer:
 
         objective.setup(model, starting_model)
         optimizer = build_optimizer(model, cfg.optim)
-        sampler = GlobalBatchSampler(  # over the training examples only (not the hold-out)
-            num_examples=len(holdout.train),
-            global_batch_size=cfg.train.global_batch_size,
-            micro_batch_size=cfg.train.micro_batch_size,
-            dp_rank=plan.dp_rank,
-            dp_size=plan.dp_size,
-            seed=cfg.train.seed,
-            data_fingerprint=holdout.fingerprint(objective.data_fingerprint),
-            indices=holdout.train if holdout.eval else None,
-        )
-        max_steps = cfg.train.total_steps(sampler.steps_per_epoch)
-        if cfg.train.stop_at_step > max_steps:
-            raise ConfigError(
-                f"train.stop_at_step ({cfg.train.stop_at_step}) must be <= the run's "
-                f"{max_steps} steps (train.epochs={cfg.train.epochs} x "
-                f"{sampler.steps_per_epoch} steps per epoch)."
-            )
-        scheduler = build_scheduler(optimizer, cfg.scheduler, max_steps)
+        sampler = build_sampler(cfg, inputs, dp_rank=plan.dp_rank, dp_size=plan.dp_size)
+        scheduler = build_scheduler(optimizer, cfg.scheduler, run_length(cfg, sampler))
         run_dir = Path(cfg.run.dir)
         trainer = cls(
             cfg=cfg,
@@ -172,7 +151,7 @@ class Trainer:
             callbacks=CallbackList(callbacks or []),
             run_dir=run_dir,
             checkpointer=build_checkpointer(cfg, run_dir, ctx),
-            eval_set=eval_set,
+            eval_set=inputs.eval_set,
         )
         lora_base = None
         if cfg.lora.enabled:  # the adapters are saved with what base they belong to
@@ -240,12 +219,7 @@ class Trainer:
         elif not cfg.overwrite:
             found = self.checkpointer.latest()  # agreed
             if found is not None:
-                raise ConfigError(
-                    f"{self.checkpointer.root} already holds checkpoints (newest: {found}) and "
-                    "checkpoint.resume is empty; continue that run with checkpoint.resume=auto, "
-                    "use another run.dir (or checkpoint.root), or pass "
-                    "checkpoint.overwrite=true to start over in it."
-                )
+                raise used_root_error(self.checkpointer.root, found)
 
     def load_checkpoint(self, ref: str, *, load_optimizer: bool = True) -> Path | None:
         """Load ``ref`` (``auto``, a name or a path) into every state component, or only the
