@@ -114,27 +114,24 @@ def run_ranks(
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out.mkdir(parents=True, exist_ok=True)
+    context = mp.spawn(
+        _worker, args=(world_size, free_port(), fn, str(out), args), nprocs=world_size, join=False
+    )
+    deadline = time.monotonic() + timeout_s
     try:
-        context = mp.spawn(
-            _worker,
-            args=(world_size, free_port(), fn, str(out), args),
-            nprocs=world_size,
-            join=False,
-        )
-        deadline = time.monotonic() + timeout_s
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
-                hung = [i for i, p in enumerate(context.processes) if p.is_alive()]
-                for process in context.processes:
-                    process.kill()
-                    process.join()
-                raise AssertionError(
-                    f"ranks {hung} of {world_size} were still running after {timeout_s:g} s "
-                    "(a rank waiting on a peer that will never answer?)"
-                )
-    except Exception as exc:
-        if isinstance(exc, AssertionError):
-            raise
+                break
+    except Exception as exc:  # a rank raised or died: its traceback is in its error file
         errors = [p.read_text() for p in sorted(out.glob("error.rank*.txt"))]
         raise AssertionError("a rank failed:\n" + "\n".join(errors)) from exc
+    hung = [i for i, p in enumerate(context.processes) if p.is_alive()]
+    if hung:
+        for process in context.processes:
+            process.kill()
+            process.join()
+        raise AssertionError(
+            f"ranks {hung} of {world_size} were still running after {timeout_s:g} s "
+            "(a rank waiting on a peer that will never answer?)"
+        )
     return json.loads((out / RESULT_FILE.format(rank=0)).read_text())
