@@ -4,6 +4,7 @@ Serves the Tinker API over multi-LoRA slots (``docs/service.md``); a client sets
 ``TINKER_BASE_URL=http://127.0.0.1:8000`` and ``TINKER_API_KEY=tml-...``. Keys:
 ``veoptim-serve keys add NAME [key=value ...]`` prints a new key for tenant NAME (stored
 hashed in ``<run.dir>/service.sqlite``); ``veoptim-serve keys list`` lists the tenants.
+Under ``torchrun`` rank 0 serves and every rank runs the trainer calls (``parallel=fsdp``).
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from datetime import timedelta
 
 from omegaconf import DictConfig
 
 from veoptim.config import to_config
-from veoptim.distributed import init_distributed, setup_logging
+from veoptim.distributed import DistContext, init_distributed, setup_logging
 from veoptim.errors import VeoptimError
 from veoptim.lora.slots import SlotTrainer
 from veoptim.service import ServeConfig
 from veoptim.service.auth import check_tenant_name, key_hash, new_key
 from veoptim.service.db import DB_FILE, Database
+from veoptim.service.ranks import ServedTrainer
 
 from .cli import task_command
 from .runner import run_dir_of_job
@@ -33,25 +36,38 @@ USAGE = (
 
 
 def job(cfg: DictConfig) -> None:
-    from veoptim.service.runtime import Service
-    from veoptim.service.server import serve
-
     try:
         cfg = cfg.copy()
         cfg.run.dir = run_dir_of_job(cfg)
         config = to_config(cfg)
         assert isinstance(config, ServeConfig)
         config.check_serve_keys()
-        ctx = init_distributed(config.run.device, config.parallel.backend, os.environ)
+        timeout = timedelta(seconds=config.serve.rank_timeout_s)
+        ctx = init_distributed(config.run.device, config.parallel.backend, os.environ, timeout)
         setup_logging(ctx, config.logging.level, config.logging.progress)
         try:
-            service = Service(config, SlotTrainer.from_config(config, ctx))
-            serve(service)
+            serve_on(ctx, config)
         finally:
             ctx.close()
     except VeoptimError as error:
         log.error("%s: %s", type(error).__name__, error)
         sys.exit(2)
+
+
+def serve_on(ctx: DistContext, config: ServeConfig) -> None:
+    """Rank 0 serves; the other ranks of a torchrun job run its trainer calls. Returns
+    once the service stopped, holding nothing of the model (the groups can go)."""
+    from veoptim.service.runtime import Service
+    from veoptim.service.server import serve
+
+    served = ServedTrainer(SlotTrainer.from_config(config, ctx), config.serve.rank_timeout_s)
+    try:
+        if ctx.is_main:
+            serve(Service(config, served))
+        else:
+            served.follow()
+    finally:
+        served.close()
 
 
 def keys_command(argv: list[str]) -> int:

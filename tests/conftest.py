@@ -70,6 +70,8 @@ SLOW_MODULES = (
     "service/test_isolation.py",
     "service/test_keys.py",
     "service/test_math_rl.py",
+    "service/test_ranks.py",
+    "service/test_torchrun.py",
     "tasks/test_cli.py",
     "tasks/test_override_errors.py",
     "tasks/test_sft_run.py",

@@ -14,7 +14,7 @@ from tinker_cookbook.supervised import train
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
-from tests.service.helpers import stop_sdk_thread
+from tests.service.helpers import run_and_exit
 
 
 def main(url: str, tokenizer: str, log_path: str, max_steps: int) -> None:
@@ -31,11 +31,8 @@ def main(url: str, tokenizer: str, log_path: str, max_steps: int) -> None:
         learning_rate=5e-3, lora_rank=8, base_url=url, save_every=2, eval_every=0,
         infrequent_eval_every=0, max_steps=max_steps,
     )  # fmt: skip
-    try:
-        asyncio.run(train.main(config))
-    finally:
-        stop_sdk_thread()
+    asyncio.run(train.main(config))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    run_and_exit(lambda: main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))

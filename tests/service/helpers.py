@@ -12,7 +12,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,30 @@ def stop_sdk_thread(clients: Sequence[tinker.ServiceClient] = (), timeout: float
                 asyncio.run_coroutine_threadsafe(holder._async_cleanup(), loop).result(timeout)
     loop.call_soon_threadsafe(loop.stop)
     singleton._thread.join(timeout)
+
+
+def run_and_exit(main: Callable[[], Any]) -> None:
+    """Run a client process's ``main``, stop the SDK's loop, and end the process with
+    ``os._exit`` (0, or 1 after printing the traceback): its results are written by then,
+    and skipping the interpreter's finalization leaves no SDK daemon thread to be torn
+    down mid-call (a finished client once died of SIGABRT at exit, despite
+    :func:`stop_sdk_thread`)."""
+    code = 1
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            stop_sdk_thread()
+        except Exception:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 @dataclass
@@ -214,6 +239,108 @@ class SubprocessServer(Served):
         self.log.close()
         self.release_clients()
         return code
+
+
+def running(pid: int) -> bool:
+    """Process ``pid`` exists and has not exited (a zombie waiting for its parent has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class TorchrunServer(Served):
+    """``torchrun -m tasks.serve parallel=fsdp`` on 2 gloo ranks: one agent with
+    ``--nproc-per-node 2`` (``nodes=1``), or two agents of one rank each, launched like two
+    nodes on loopback (``nodes=2``: a dead rank then leaves rank 0's agent running)."""
+
+    def __init__(self, run_dir: Path, *extra: str, nodes: int = 1) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        keys = write_keys(run_dir / "keys.txt")
+        port = free_port()
+        super().__init__(f"http://{HOST}:{port}", keys, run_dir)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        torchrun = [sys.executable, "-m", "torch.distributed.run"]
+        if nodes == 1:
+            launches = [[*torchrun, "--nproc-per-node", "2", "--master-addr", HOST,
+                         "--master-port", str(free_port())]]  # fmt: skip
+        else:
+            master = str(free_port())
+            launches = [[*torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node",
+                         "1", "--master-addr", HOST, "--master-port", master]
+                        for n in range(2)]  # fmt: skip
+        serve = ["-m", "tasks.serve", "parallel=fsdp", f"run.dir={run_dir}",
+                 f"serve.port={port}", f"serve.keys_file={run_dir / 'keys.txt'}",
+                 "serve.rank_timeout_s=60", *OVERRIDES, *extra]  # fmt: skip
+        self.logs = [(run_dir / f"torchrun{n}.log").open("ab") for n in range(len(launches))]
+        self.agents = [
+            subprocess.Popen(
+                [*launch, *serve],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            for launch, log in zip(launches, self.logs, strict=True)
+        ]
+        try:
+            wait_healthy(self.url, 120, self.agents[0])
+        except BaseException:
+            self.kill()
+            raise
+
+    def rank_pid(self, rank: int) -> int:
+        """The process id of worker ``rank`` (from its environment)."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if (
+                f"serve.port={self.url.rsplit(':', 1)[1]}".encode() in cmdline
+                and b"torch.distributed.run" not in cmdline
+                and f"RANK={rank}".encode() in environ
+            ):
+                return int(entry.name)
+        raise LookupError(f"no worker of rank {rank} is running")
+
+    def terminate(self, timeout: float = 60) -> list[int | None]:
+        """SIGTERM to rank 0, which drains and stops the other ranks; the agents' exit codes
+        (None: still running, killed). A SIGTERM to an agent reaches its ranks too, but
+        torchrun then exits 1; an agent whose peer node failed waits in torchrun's exit
+        barrier (minutes), so this waits for rank 0 itself first."""
+        try:
+            rank0 = self.rank_pid(0)
+            os.kill(rank0, signal.SIGTERM)
+        except LookupError:
+            rank0 = None
+        deadline = time.monotonic() + timeout
+        while rank0 is not None and running(rank0):
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"rank 0 did not stop within {timeout} s of its SIGTERM")
+            time.sleep(0.2)
+        codes: list[int | None] = []
+        for agent in self.agents:
+            try:
+                codes.append(agent.wait(max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        self.kill()
+        return codes
+
+    def kill(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait(30)
+        for log in self.logs:
+            log.close()
+        self.release_clients()
 
 
 def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:

@@ -10,11 +10,8 @@ import chz
 import tinker_cookbook.utils.cost_estimation as cost_estimation
 from tinker_cookbook.recipes.math_rl import train
 
-from tests.service.helpers import stop_sdk_thread
+from tests.service.helpers import run_and_exit
 
 if __name__ == "__main__":
     cost_estimation._pricing_fetched = True
-    try:
-        asyncio.run(train.cli_main(chz.entrypoint(train.CLIConfig)))
-    finally:
-        stop_sdk_thread()
+    run_and_exit(lambda: asyncio.run(train.cli_main(chz.entrypoint(train.CLIConfig))))

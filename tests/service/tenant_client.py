@@ -25,7 +25,14 @@ from pathlib import Path
 import tinker
 from tinker import types
 
-from tests.service.helpers import BASE_MODEL, examples, losses_of, stop_sdk_thread, train_step
+from tests.service.helpers import (
+    BASE_MODEL,
+    examples,
+    losses_of,
+    run_and_exit,
+    stop_sdk_thread,
+    train_step,
+)
 
 STEPS = 6
 LR = 1e-3
@@ -107,4 +114,4 @@ def main(url: str, role: str, out: str, bob_path: str = "") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_and_exit(lambda: main(*sys.argv[1:]))

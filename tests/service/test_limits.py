@@ -82,7 +82,12 @@ def test_limits_sessions_and_metrics(small):
         deadline = time.monotonic() + 15  # no heartbeat: the session expires, the slot frees
         while http.get("/healthz").json()["slots_used"] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert http.get("/healthz").json() == {"status": "ok", "slots_used": 0, "slots_free": 4}
+        assert http.get("/healthz").json() == {
+            "status": "ok",
+            "slots_used": 0,
+            "slots_free": 4,
+            "ranks": 1,
+        }
         late = http.post("/optim_step", json={"model_id": model, "seq_id": 8, "adam_params": {}})
         assert late.status_code == 400 and "unloaded" in late.json()["detail"]
 

@@ -20,7 +20,7 @@ def test_the_sdk_trains_a_lora_through_a_server_process(tmp_path):
     srv = SubprocessServer(tmp_path / "run")
     try:
         health = httpx.get(f"{srv.url}/api/v1/healthz", timeout=10).json()  # no key needed
-        assert health == {"status": "ok", "slots_used": 0, "slots_free": 4}
+        assert health == {"status": "ok", "slots_used": 0, "slots_free": 4, "ranks": 1}
         with httpx.Client(base_url=f"{srv.url}/api/v1", timeout=10) as anonymous:
             assert anonymous.get("/get_server_capabilities").status_code == 401
             assert anonymous.post("/create_session", json={}).status_code == 401

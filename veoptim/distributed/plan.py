@@ -210,6 +210,18 @@ class ParallelPlan:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.meshes.dp.get_group())
         return out
 
+    @staticmethod
+    def reshard(model: nn.Module) -> None:
+        """Free the gathered parameters a forward without a backward left behind.
+
+        FSDP keeps the root module's parameters gathered after its forward, for the
+        backward that follows; after a forward with no backward (evaluation, sampling)
+        they stay gathered, and code that reads a parameter then sees the gathered tensor
+        (a view into the all-gather buffer) instead of its shard. No-op without FSDP."""
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm over every mesh; returns the norm before clipping."""
         return clip_grad_norm_(model.parameters(), max_norm)

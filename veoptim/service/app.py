@@ -125,9 +125,14 @@ def create_app(service: Service) -> FastAPI:
 
     # ------------------------------------------------------------------ session
     @app.get(f"{API}/healthz")
-    async def healthz() -> dict[str, Any]:
+    async def healthz() -> JSONResponse:
         used, free = service.slots()
-        return {"status": "ok", "slots_used": used, "slots_free": free}
+        lost = service.served.lost
+        body = {"status": "lost_rank" if lost else "ok", "slots_used": used, "slots_free": free,
+                "ranks": service.served.world}  # fmt: skip
+        if lost:
+            body["error"] = lost
+        return JSONResponse(body, status_code=503 if lost else 200)
 
     @app.post(f"{API}/client/config")
     async def client_config(request: Request) -> dict[str, Any]:

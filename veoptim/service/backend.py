@@ -23,14 +23,15 @@ import torch
 from veoptim.data import bundled_tokenizer_dir
 from veoptim.data.fields import ATTENTION_MASK, INPUT_IDS
 from veoptim.data.tokenizer import tokenizer_source
-from veoptim.lora.slots import SLOT_IDS, SlotTrainer
-from veoptim.lora.slots.tokens import TARGET_TOKENS, forward_tokens, optim_step_clipped
+from veoptim.lora.slots import SLOT_IDS
+from veoptim.lora.slots.tokens import TARGET_TOKENS
 from veoptim.service import paths
 from veoptim.service.config import ServeConfig
 from veoptim.service.db import Database
 from veoptim.service.engine import CREATING, FAILED, READY, UNLOADED, Engine, Model, Op
 from veoptim.service.errors import NotFound, ServiceError
 from veoptim.service.losses import Loss, check_inputs, get_loss
+from veoptim.service.ranks import ServedTrainer
 from veoptim.service.sampler import SampleBatch, Samplers
 from veoptim.service.wire import ForwardBackwardRequest, encode_forward_backward_output
 
@@ -59,7 +60,7 @@ class Batch:
 
 
 class Backend:
-    def __init__(self, cfg: ServeConfig, trainer: SlotTrainer, database: Database) -> None:
+    def __init__(self, cfg: ServeConfig, trainer: ServedTrainer, database: Database) -> None:
         self.cfg, self.trainer, self.db = cfg, trainer, database
         self.engine: Engine  # set by the app once the engine exists
         self.base_model = cfg.serve.base_model or cfg.model.name
@@ -273,8 +274,7 @@ class Backend:
         rows = [(slot, d) for _, part, slot in live for d in part.data]
         began = time.perf_counter()
         batch = build_batch(rows, parts[0].loss)
-        out = forward_tokens(self.trainer, batch, parts[0].loss.row_losses,
-                             backward=not parts[0].forward_only)  # fmt: skip
+        out = self.trainer.forward_tokens(batch, parts[0].loss, backward=not parts[0].forward_only)
         start = 0
         for k, part, slot in live:
             outputs, loss_sum = [], 0.0
@@ -311,8 +311,8 @@ class Backend:
         def run() -> dict[str, Any]:
             slot = self.ready(model)
             began = time.perf_counter()
-            result = optim_step_clipped(
-                self.trainer, slot, values["grad_clip_norm"], lr=values["learning_rate"],
+            result = self.trainer.optim_step(
+                slot, values["grad_clip_norm"], lr=values["learning_rate"],
                 betas=(values["beta1"], values["beta2"]), eps=values["eps"],
                 weight_decay=values["weight_decay"],
             )  # fmt: skip

@@ -37,6 +37,10 @@ class ServeSection:
     drain_timeout_s: float = opt(
         60.0, "On SIGTERM: how long queued requests may run before they are failed."
     )
+    rank_timeout_s: float = opt(
+        600.0,
+        "torchrun: how long one trainer call may wait for a rank before the job gives up on it.",
+    )
 
 
 @dataclass
@@ -54,7 +58,7 @@ class ServeConfig(MultiLoRAConfig):
                 f"serve.poll_timeout_s must be in (0, 45) (the SDK's poll timeout is 45 s), "
                 f"got {s.poll_timeout_s}."
             )
-        for key in ("session_timeout_s", "seq_gap_timeout_s", "drain_timeout_s"):
+        for key in ("session_timeout_s", "seq_gap_timeout_s", "drain_timeout_s", "rank_timeout_s"):
             if getattr(s, key) <= 0:
                 raise ConfigError(f"serve.{key} must be > 0, got {getattr(s, key)}.")
         for key in ("max_request_bytes", "max_datums", "max_futures_per_tenant"):

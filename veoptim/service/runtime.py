@@ -1,5 +1,6 @@
 """The service's parts put together: database, futures, trainer, backend, worker, and the
-housekeeping thread (expired sessions, old results). One per server process."""
+housekeeping thread (expired sessions, old results). One per server (rank 0 of a torchrun
+job; the other ranks follow its trainer calls, ``veoptim/service/ranks.py``)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ from veoptim.service.config import ServeConfig
 from veoptim.service.db import DB_FILE, Database
 from veoptim.service.engine import UNLOADED, Engine, Op
 from veoptim.service.futures import Future, FutureTable
+from veoptim.service.ranks import ServedTrainer
 
 log = logging.getLogger("veoptim.service")
 RESTARTED = "the server restarted before this request finished; submit it again."
 
 
 class Service:
-    def __init__(self, cfg: ServeConfig, trainer: SlotTrainer | None = None) -> None:
+    def __init__(self, cfg: ServeConfig, served: ServedTrainer | None = None) -> None:
+        """``served``: the trainer of every rank of a torchrun job (built on all of them);
+        by default one built from ``cfg`` in this process."""
         cfg.check_serve_keys()
         self.cfg = cfg
         run_dir = Path(cfg.run.dir)
@@ -36,8 +40,10 @@ class Service:
             for name, digest in read_keys_file(cfg.serve.keys_file):
                 self.db.add_tenant(name, digest)
         self.futures = FutureTable(self.db, cfg.serve.max_futures_per_tenant)
-        self.trainer = trainer if trainer is not None else SlotTrainer.from_config(cfg)
-        self.backend = Backend(cfg, self.trainer, self.db)
+        if served is None:
+            served = ServedTrainer(SlotTrainer.from_config(cfg), cfg.serve.rank_timeout_s)
+        self.served, self.trainer = served, served.trainer
+        self.backend = Backend(cfg, served, self.db)
         self.engine = Engine(
             self.futures,
             batch_tenants=cfg.serve.batch_tenants,
@@ -64,6 +70,7 @@ class Service:
         self._stop.set()
         self.engine.stop(self.cfg.serve.drain_timeout_s)
         self._housekeeper.join(5)
+        self.served.stop_followers()
         self.db.close()
 
     # ------------------------------------------------------------------ sessions

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from veoptim.lora.slots.tokens import SampleRow, sample_tokens
+from veoptim.lora.slots.tokens import SampleRow
 from veoptim.service import paths
 from veoptim.service.engine import Op
 from veoptim.service.errors import NotFound, ServiceError
@@ -293,7 +293,7 @@ class Samplers:
         if not rows:
             return results
         began = time.perf_counter()
-        sampled = sample_tokens(self.trainer, rows)
+        sampled = self.trainer.sample(rows)
         seconds = round(time.perf_counter() - began, 6)
         for k, request, first, slot in owners:
             mine = sampled[first : first + request.num_samples]

@@ -103,6 +103,7 @@ def evaluate(
                     total = metric_sums.get(name, zero)
                     metric_sums[name] = total + value.double() if real else total
     finally:
+        plan.reshard(model)
         model.train(was_training)
         restore_rng(rng, device)
     reduced = plan.all_reduce_sum(torch.stack([loss_sum, normaliser, *metric_sums.values()]))

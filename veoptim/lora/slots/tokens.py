@@ -8,7 +8,10 @@ whatever the caller computes from them (cross-entropy with per-token weights, or
 losses), its gradient accumulated as a *sum* that the next step applies unscaled.
 
 Both calls hold the trainer's lock, route rows to their slots like ``forward_backward``
-and check every slot exists before the first change. One process only.
+and check every slot exists before the first change. Under ``torchrun`` every rank calls
+them together, each with its own rows (at least one: the sharded model's collectives
+need every rank); the slots present on any rank are checked, and take the gradients, on
+all of them.
 
 ``sample_tokens`` generates from the slots (or the base alone) with a KV cache, every
 row through its own slot's adapter: what a sampler of the service runs.
@@ -17,7 +20,7 @@ row through its own slot's adapter: what a sampler of the service runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,8 +58,6 @@ def forward_tokens(
     if backward and loss_fn is None:
         raise ValueError("a backward pass needs a loss_fn")
     with trainer._lock:
-        if trainer.ctx.world_size != 1:
-            raise DataError("per-token passes run in one process (world size 1).")
         if INPUT_IDS not in batch or TARGET_TOKENS not in batch or SLOT_IDS not in batch:
             raise DataError(
                 f"a token batch needs {INPUT_IDS!r}, {TARGET_TOKENS!r} and {SLOT_IDS!r}; "
@@ -69,7 +70,7 @@ def forward_tokens(
                 f"{tuple(inputs.shape)}; got {tuple(targets.shape)}."
             )
         slot_ids = trainer._slot_ids({**batch, "labels": targets})
-        present = sorted(set(slot_ids.tolist()))
+        present = trainer._present(slot_ids)
         for s in present:
             trainer._slot(s)
         device = trainer.ctx.device
@@ -92,6 +93,8 @@ def forward_tokens(
                     row_losses.sum().backward()
         finally:
             trainer.router.clear()
+            if not backward:
+                trainer.plan.reshard(trainer.model)
         if backward:
             for s in present:
                 trainer.slots[s].optimizer.pending_tokens = 1.0
@@ -144,23 +147,31 @@ class SampledRow:
     prompt_logprobs: torch.Tensor | None = None
 
 
-def sample_tokens(trainer: SlotTrainer, rows: list[SampleRow]) -> list[SampledRow]:
+def sample_tokens(
+    trainer: SlotTrainer, rows: list[SampleRow], pad_with: SampleRow | None = None
+) -> list[SampledRow]:
     """Generate every row at once with a KV cache (the model's ``past_key_values``):
     prompts left-padded to the longest, each row through its slot's adapter (rows of
     ``slot=None`` through the base alone; a batch is all one or all the other), one
     token per row per step until each row stops. ``temperature == 0`` is greedy
     (argmax); otherwise each row draws from its own ``generator``. No gradients, no
-    change to any slot."""
+    change to any slot.
+
+    Under ``torchrun`` every rank calls it with its own rows (of one kind: slot or base)
+    and steps until the rows of every rank stop; a rank without rows runs ``pad_with``
+    (a row of the same kind) and returns nothing."""
     with trainer._lock:
-        if trainer.ctx.world_size != 1:
-            raise DataError("sampling runs in one process (world size 1).")
+        world = trainer.ctx.world_size
+        real = len(rows)
         if not rows:
-            return []
+            if world == 1 or pad_with is None:
+                return []
+            rows = [replace(pad_with, max_tokens=0, prompt_logprobs=False)]
         slots = [r.slot for r in rows]
         base = all(s is None for s in slots)
         if not base and any(s is None for s in slots):
             raise DataError("a sampling batch is either all base-model rows or all slot rows.")
-        present = [] if base else sorted(set(slots))  # type: ignore[type-var]
+        present = [] if base else trainer._present(torch.tensor(slots))
         for s in present:
             trainer._slot(s)
         device = trainer.ctx.device
@@ -196,7 +207,8 @@ def sample_tokens(trainer: SlotTrainer, rows: list[SampleRow]) -> list[SampledRo
                 cache, last = result.past_key_values, logits[:, -1]
                 done = [r.max_tokens <= 0 for r in rows]
                 next_pos = positions[:, -1:] + 1
-                while not all(done):
+                finished = _all_done(trainer, done)
+                while not finished:
                     chosen = torch.zeros(n, 1, dtype=torch.long)
                     logp_all = last.log_softmax(-1).cpu()
                     for i, r in enumerate(rows):
@@ -215,7 +227,8 @@ def sample_tokens(trainer: SlotTrainer, rows: list[SampleRow]) -> list[SampledRo
                             done[i] = out[i].stopped = True
                         elif len(out[i].tokens) >= r.max_tokens:
                             done[i] = True
-                    if all(done):
+                    finished = _all_done(trainer, done)
+                    if finished:
                         break
                     mask = torch.cat([mask, torch.ones(n, 1, dtype=torch.long)], dim=1)
                     result = trainer.model(input_ids=chosen.to(device), attention_mask=mask.to(device),
@@ -228,7 +241,16 @@ def sample_tokens(trainer: SlotTrainer, rows: list[SampleRow]) -> list[SampledRo
                 for layer in layers.values():
                     layer.router = trainer.router
             trainer.router.clear()
-        return out
+            trainer.plan.reshard(trainer.model)
+        return out[:real]
+
+
+def _all_done(trainer: SlotTrainer, done: list[bool]) -> bool:
+    """Every row of every rank stopped (collective under torchrun: one small sum)."""
+    left = torch.tensor([float(sum(not d for d in done))])
+    if trainer.ctx.world_size > 1:
+        left = trainer.plan.all_reduce_sum(left.to(trainer.ctx.device)).cpu()
+    return bool(left.item() == 0)
 
 
 def _pick(logits: torch.Tensor, row: SampleRow) -> int:

@@ -136,18 +136,18 @@ class SlotTrainer:
             raise
 
     def close(self) -> None:
-        """Leave the process group this trainer joined (:meth:`from_config` without ``ctx``).
+        """Drop the model and the slots, and leave the process group this trainer joined
+        (:meth:`from_config` without ``ctx``; a given ``ctx`` stays open).
 
         The model and its slots go first: they hold the process groups, which the context can
         only destroy (and their threads join) once nothing holds them. Unusable afterwards.
         """
-        if not self._owns_ctx:
-            return
         with self._lock:
             self.slots.clear()
             self._params.clear()
             self.model = self.router = self.plan = None  # type: ignore[assignment]
-        self.ctx.close()
+        if self._owns_ctx:
+            self.ctx.close()
 
     @property
     def num_slots(self) -> int:
@@ -415,6 +415,13 @@ class SlotTrainer:
                 f"({rows} rows); got {ids.tolist()}."
             )
         return ids
+
+    def _present(self, slot_ids: torch.Tensor) -> list[int]:
+        """The slots with rows on any rank (sorted; collective)."""
+        rows = torch.zeros(self.num_slots, dtype=torch.float64)
+        rows.index_add_(0, slot_ids, torch.ones(len(slot_ids), dtype=torch.float64))
+        rows = self.plan.all_reduce_sum(rows.to(self.ctx.device)).cpu()
+        return [s for s in range(self.num_slots) if rows[s] > 0]
 
     def _as_slot_error(self, slot: int, what: str, action: Callable[[], T]) -> T:
         try:

@@ -1,0 +1,242 @@
+"""The trainer as the service calls it, on one process or on every rank of a torchrun job.
+
+Under ``torchrun`` rank 0 runs the HTTP server, the database and the worker; the other
+ranks run :func:`follow`. Every trainer call of the worker is a :class:`ServedTrainer`
+method: rank 0 announces it (name and arguments) on a process group of its own, and
+every rank runs it together (the slots' calls are collective), each on its share of the
+rows of a forward pass or a sampling batch. Every rank then reports how its call ended,
+with its share of the results, to rank 0: a failure on any rank is that request's error
+(on rank 0 the exception itself, from another rank its message and category), and the
+next call runs as usual.
+
+A rank that dies or does not answer within ``serve.rank_timeout_s`` fails the call in
+flight with a ``server`` error; rank 0 then answers every further trainer call with that
+error at once instead of waiting on the lost rank (``healthz`` names it), until the job
+is restarted. With one process every method is the :class:`SlotTrainer` call itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from veoptim.data.fields import INPUT_IDS
+from veoptim.lora.slots import SlotTrainer
+from veoptim.lora.slots.tokens import (
+    SampledRow,
+    SampleRow,
+    TokenLoss,
+    TokenPass,
+    forward_tokens,
+    optim_step_clipped,
+    sample_tokens,
+)
+from veoptim.service.engine import describe
+from veoptim.service.errors import SERVER, ServiceError
+
+log = logging.getLogger("veoptim.service")
+#: The followers wait for rank 0's next call as long as the job runs.
+IDLE_TIMEOUT = timedelta(days=365)
+STOP = "stop"
+
+
+def share(count: int, rank: int, world: int) -> range:
+    """Rank ``rank``'s contiguous share of ``count`` rows (empty when count < world)."""
+    return range(count * rank // world, count * (rank + 1) // world)
+
+
+class ServedTrainer:
+    """The calls the service makes on its :class:`SlotTrainer`; reads (``slots``,
+    ``tokenizer``, ``num_slots``, ...) go to rank 0's trainer directly. Build it on every
+    rank (it creates the job's call groups: collective)."""
+
+    def __init__(self, trainer: SlotTrainer, timeout_s: float) -> None:
+        self.trainer = trainer
+        self.rank, self.world = trainer.ctx.rank, trainer.ctx.world_size
+        self.timeout_s = timeout_s
+        #: Why the job cannot run trainer calls any more (a rank was lost); "" while it can.
+        self.lost = ""
+        self._announce = self._agree = None
+        if self.world > 1:
+            self._announce = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+            self._agree = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trainer, name)
+
+    # ------------------------------------------------------------------ calls
+    def create_slot(self, slot: int, **hyper: Any) -> None:
+        self._everywhere("create_slot", slot, **hyper)
+
+    def load_slot(self, slot: int, ref: str, load_optimizer: bool = True) -> Path:
+        return self._everywhere("load_slot", slot, ref, load_optimizer)
+
+    def release_slot(self, slot: int) -> None:
+        self._everywhere("release_slot", slot)
+
+    def save_slot(self, slot: int, name: str, with_optimizer: bool = True) -> Path:
+        return self._everywhere("save_slot", slot, name, with_optimizer)
+
+    def export_slot(self, slot: int, name: str) -> Path:
+        return self._everywhere("export_slot", slot, name)
+
+    def slot_state(self, slot: int) -> dict[str, Any]:
+        return self._everywhere("slot_state", slot)
+
+    def optim_step(self, slot: int, grad_clip: float, **adam: Any) -> dict[str, float]:
+        """``optim_step`` of ``slot`` with this call's gradient-norm clip (0 = none)."""
+        return self._everywhere("optim_step", slot, grad_clip, **adam)
+
+    def forward_tokens(
+        self, batch: dict[str, torch.Tensor], loss: Any, backward: bool
+    ) -> TokenPass:
+        """:func:`forward_tokens` of ``loss.row_losses`` over ``batch``, each rank its rows."""
+        return self._everywhere("forward_tokens", batch, loss, backward)
+
+    def sample(self, rows: list[SampleRow]) -> list[SampledRow]:
+        """:func:`sample_tokens` of ``rows``, each rank its share."""
+        return self._everywhere("sample", rows)
+
+    # ------------------------------------------------------------------ rank 0
+    def _everywhere(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self.world == 1:
+            return run_local(self.trainer, name, 0, 1, args, kwargs)[0]
+        if self.lost:
+            raise ServiceError(self.lost, status=503, category=SERVER)
+        try:
+            dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._announce)
+        except Exception as exc:
+            self._lose(f"announcing {name}", exc)
+        try:
+            result, error = run_local(self.trainer, name, 0, self.world, args, kwargs)
+        except Exception as exc:  # ended on rank 0: still collect the others' outcomes
+            result, error, own = None, describe(exc), exc
+        else:
+            own = None
+        reports: list[Any] = [None] * self.world
+        try:
+            dist.gather_object((result, error), reports, dst=0, group=self._agree)
+        except Exception as exc:
+            self._lose(f"collecting the ranks' outcome of {name}", exc)
+        if own is not None:
+            raise own
+        for rank, (_, failure) in enumerate(reports):
+            if failure is not None:
+                message, category = failure
+                raise ServiceError(f"{message} (on rank {rank})", category=category)
+        return COMBINE.get(name, first)([r for r, _ in reports], args)
+
+    def _lose(self, what: str, exc: BaseException) -> None:
+        self.lost = (
+            f"a rank of this torchrun job was lost while {what} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); the job can no longer train or "
+            "sample: restart it (published checkpoints stay loadable)."
+        )
+        log.error("%s", self.lost)
+        raise ServiceError(self.lost, status=503, category=SERVER) from exc
+
+    def stop_followers(self) -> None:
+        """Tell the other ranks the service ended (they return from :func:`follow`)."""
+        if self.world == 1 or self.lost:
+            return
+        try:
+            dist.broadcast_object_list([(STOP, (), {})], src=0, group=self._announce)
+        except Exception:
+            log.warning("could not tell the other ranks to stop", exc_info=True)
+
+    def close(self) -> None:
+        """Drop the trainer's model and this object's groups, so that the job's process
+        groups can be destroyed (their threads end only once nothing holds them)."""
+        self.trainer.close()
+        self._announce = self._agree = None
+
+    # ------------------------------------------------------------------ other ranks
+    def follow(self) -> None:
+        """Run rank 0's calls until it stops the service (or is lost). SIGTERM and SIGINT
+        are left to rank 0, which drains and then stops every rank."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: log.info("signal: rank 0 drains and stops this rank"))
+        log.info("rank %d follows rank 0's service calls", self.rank)
+        while True:
+            message: list[Any] = [None]
+            try:
+                dist.broadcast_object_list(message, src=0, group=self._announce)
+            except Exception:
+                log.error("rank 0 was lost: this rank stops", exc_info=True)
+                raise
+            name, args, kwargs = message[0]
+            if name == STOP:
+                log.info("rank 0 stopped the service")
+                return
+            try:
+                result, error = run_local(self.trainer, name, self.rank, self.world, args, kwargs)
+            except Exception as exc:
+                result, error = None, describe(exc)
+            outcome = (result if name in COMBINE else None, error)  # rank 0 keeps its own
+            dist.gather_object(outcome, None, dst=0, group=self._agree)
+
+
+def run_local(trainer: SlotTrainer, name: str, rank: int, world: int, args: tuple,
+              kwargs: dict[str, Any]) -> tuple[Any, None]:  # fmt: skip
+    """This rank's part of call ``name``: (its result, no error); raises on failure."""
+    return CALLS[name](trainer, rank, world, *args, **kwargs), None
+
+
+# ---------------------------------------------------------------------- the calls
+def _forward(trainer: SlotTrainer, rank: int, world: int, batch: dict[str, torch.Tensor],
+             loss: Any, backward: bool) -> TokenPass:  # fmt: skip
+    """This rank's rows of ``batch``; a rank without rows runs row 0 with its loss times 0
+    (every rank takes part in the sharded model's collectives; the zeros add nothing)."""
+    rows = share(batch[INPUT_IDS].shape[0], rank, world)
+    fn: TokenLoss = loss.row_losses
+    if not rows:
+        rows, fn = range(0, 1), lambda lp, b: loss.row_losses(lp, b) * 0.0
+    mine = {k: v[rows.start : rows.stop] for k, v in batch.items()}
+    out = forward_tokens(trainer, mine, fn, backward=backward)
+    if not share(batch[INPUT_IDS].shape[0], rank, world):
+        return TokenPass(out.logprobs[:0], out.row_losses[:0])
+    return out
+
+
+def _sample(trainer: SlotTrainer, rank: int, world: int, rows: list[SampleRow]) -> list:
+    mine = share(len(rows), rank, world)
+    return sample_tokens(trainer, [rows[i] for i in mine], pad_with=rows[0])
+
+
+CALLS: dict[str, Callable[..., Any]] = {
+    "create_slot": lambda t, _r, _w, slot, /, **hyper: t.create_slot(slot, **hyper),
+    "load_slot": lambda t, _r, _w, /, *a: t.load_slot(*a),
+    "release_slot": lambda t, _r, _w, slot, /: t.release_slot(slot),
+    "save_slot": lambda t, _r, _w, /, *a: t.save_slot(*a),
+    "export_slot": lambda t, _r, _w, /, *a: t.export_slot(*a),
+    "slot_state": lambda t, _r, _w, slot, /: t.slot_state(slot),
+    "optim_step": lambda t, _r, _w, slot, clip, /, **adam: optim_step_clipped(
+        t, slot, clip, **adam
+    ),
+    "forward_tokens": _forward,
+    "sample": _sample,
+}
+
+
+def first(results: list[Any], args: tuple) -> Any:
+    return results[0]
+
+
+def _combine_forward(results: list[TokenPass], args: tuple) -> TokenPass:
+    return TokenPass(
+        torch.cat([r.logprobs for r in results]), torch.cat([r.row_losses for r in results])
+    )
+
+
+#: How rank 0 puts the ranks' results together (default: rank 0's).
+COMBINE: dict[str, Callable[[list[Any], tuple], Any]] = {
+    "forward_tokens": _combine_forward,
+    "sample": lambda results, args: [row for part in results for row in part],
+}
