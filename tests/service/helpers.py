@@ -308,11 +308,12 @@ class TorchrunServer(Served):
                 return int(entry.name)
         raise LookupError(f"no worker of rank {rank} is running")
 
-    def terminate(self, timeout: float = 60) -> list[int | None]:
+    def terminate(self, timeout: float = 60, agents_s: float = 60) -> list[int | None]:
         """SIGTERM to rank 0, which drains and stops the other ranks; the agents' exit codes
         (None: still running, killed). A SIGTERM to an agent reaches its ranks too, but
         torchrun then exits 1; an agent whose peer node failed waits in torchrun's exit
-        barrier (minutes), so this waits for rank 0 itself first."""
+        barrier (minutes), so this waits for rank 0 itself first, then ``agents_s`` at
+        most for the agents."""
         try:
             rank0 = self.rank_pid(0)
             os.kill(rank0, signal.SIGTERM)
@@ -325,9 +326,10 @@ class TorchrunServer(Served):
                 raise TimeoutError(f"rank 0 did not stop within {timeout} s of its SIGTERM")
             time.sleep(0.2)
         codes: list[int | None] = []
+        deadline = time.monotonic() + agents_s
         for agent in self.agents:
             try:
-                codes.append(agent.wait(max(1.0, deadline - time.monotonic())))
+                codes.append(agent.wait(max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 codes.append(None)
         self.kill()
