@@ -121,8 +121,9 @@ class ServedTrainer:
         else:
             own = None
         reports: list[Any] = [None] * self.world
+        shared = result if name in COMBINE else None  # the others' results are combined
         try:
-            dist.gather_object((result, error), reports, dst=0, group=self._agree)
+            dist.gather_object((shared, error), reports, dst=0, group=self._agree)
         except Exception as exc:
             self._lose(f"collecting the ranks' outcome of {name}", exc)
         if own is not None:
@@ -131,7 +132,9 @@ class ServedTrainer:
             if failure is not None:
                 message, category = failure
                 raise ServiceError(f"{message} (on rank {rank})", category=category)
-        return COMBINE.get(name, first)([r for r, _ in reports], args)
+        if name in COMBINE:
+            return COMBINE[name]([r for r, _ in reports], args)
+        return result
 
     def _lose(self, what: str, exc: BaseException) -> None:
         self.lost = (
@@ -225,17 +228,13 @@ CALLS: dict[str, Callable[..., Any]] = {
 }
 
 
-def first(results: list[Any], args: tuple) -> Any:
-    return results[0]
-
-
 def _combine_forward(results: list[TokenPass], args: tuple) -> TokenPass:
     return TokenPass(
         torch.cat([r.logprobs for r in results]), torch.cat([r.row_losses for r in results])
     )
 
 
-#: How rank 0 puts the ranks' results together (default: rank 0's).
+#: How rank 0 puts the ranks' results together (the other calls answer rank 0's own).
 COMBINE: dict[str, Callable[[list[Any], tuple], Any]] = {
     "forward_tokens": _combine_forward,
     "sample": lambda results, args: [row for part in results for row in part],
