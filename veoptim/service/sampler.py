@@ -148,7 +148,13 @@ class Samplers:
     def record(self, tenant_id: int, session_id: str, seq: int, model_path: str | None,
                store_ref: str | None) -> str:  # fmt: skip
         sid = sampler_id(session_id, seq)
-        if self.db.one("SELECT 1 FROM samplers WHERE id = ?", (sid,)):
+        old = self.db.one("SELECT * FROM samplers WHERE id = ?", (sid,))
+        if old is not None:
+            # The SDK retries a create whose answer it lost: the same request, same session.
+            if (old["tenant_id"], old["model_path"], old["store_ref"]) == (
+                tenant_id, model_path, store_ref
+            ):  # fmt: skip
+                return sid
             raise ServiceError(f"sampling_session_seq_id {seq} was already used in this session.")
         self.db.execute(
             "INSERT INTO samplers (id, tenant_id, session_id, base_model, model_path, store_ref, "
