@@ -92,3 +92,9 @@ def resolve_parallel_sizes(cfg: ParallelConfig, world_size: int, num_experts: in
 
 def _valid_ep(dp_shard: int, num_experts: int) -> list[int]:
     return [d for d in divisors(dp_shard) if not num_experts or num_experts % d == 0]
+
+
+def rank_slice(count: int, rank: int, world: int) -> range:
+    """Rank ``rank``'s contiguous share of ``count`` items (shares differ by at most one;
+    empty when ``count < world``)."""
+    return range(count * rank // world, count * (rank + 1) // world)

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from veoptim.data.fields import INPUT_IDS
+from veoptim.distributed.sizes import rank_slice
 from veoptim.lora.slots import SlotTrainer
 from veoptim.lora.slots.tokens import (
     SampledRow,
     SampleRow,
-    TokenLoss,
     TokenPass,
     forward_tokens,
     optim_step_clipped,
@@ -45,11 +45,6 @@ log = logging.getLogger("veoptim.service")
 #: The followers wait for rank 0's next call as long as the job runs.
 IDLE_TIMEOUT = timedelta(days=365)
 STOP = "stop"
-
-
-def share(count: int, rank: int, world: int) -> range:
-    """Rank ``rank``'s contiguous share of ``count`` rows (empty when count < world)."""
-    return range(count * rank // world, count * (rank + 1) // world)
 
 
 class ServedTrainer:
@@ -197,19 +192,18 @@ def _forward(trainer: SlotTrainer, rank: int, world: int, batch: dict[str, torch
              loss: Any, backward: bool) -> TokenPass:  # fmt: skip
     """This rank's rows of ``batch``; a rank without rows runs row 0 with its loss times 0
     (every rank takes part in the sharded model's collectives; the zeros add nothing)."""
-    rows = share(batch[INPUT_IDS].shape[0], rank, world)
-    fn: TokenLoss = loss.row_losses
+    rows = rank_slice(batch[INPUT_IDS].shape[0], rank, world)
     if not rows:
-        rows, fn = range(0, 1), lambda lp, b: loss.row_losses(lp, b) * 0.0
-    mine = {k: v[rows.start : rows.stop] for k, v in batch.items()}
-    out = forward_tokens(trainer, mine, fn, backward=backward)
-    if not share(batch[INPUT_IDS].shape[0], rank, world):
+        mine = {k: v[:1] for k, v in batch.items()}
+        out = forward_tokens(trainer, mine, lambda lp, b: loss.row_losses(lp, b) * 0.0,
+                             backward=backward)  # fmt: skip
         return TokenPass(out.logprobs[:0], out.row_losses[:0])
-    return out
+    mine = {k: v[rows.start : rows.stop] for k, v in batch.items()}
+    return forward_tokens(trainer, mine, loss.row_losses, backward=backward)
 
 
 def _sample(trainer: SlotTrainer, rank: int, world: int, rows: list[SampleRow]) -> list:
-    mine = share(len(rows), rank, world)
+    mine = rank_slice(len(rows), rank, world)
     return sample_tokens(trainer, [rows[i] for i in mine], pad_with=rows[0])
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from veoptim.data.holdout import Holdout
+from veoptim.distributed.sizes import rank_slice
 from veoptim.errors import DataError
 from veoptim.state.rng import capture_rng, restore_rng
 from veoptim.trainer.objective import Objective
@@ -54,11 +55,6 @@ def build_eval_set(
     if holdout.eval:
         return EvalSet(objective, list(holdout.eval))
     return None
-
-
-def rank_slice(count: int, dp_rank: int, dp_size: int) -> range:
-    """Rank ``dp_rank``'s contiguous share of ``count`` items (shares differ by at most one)."""
-    return range(count * dp_rank // dp_size, count * (dp_rank + 1) // dp_size)
 
 
 def forwards_per_rank(count: int, dp_size: int, micro_batch_size: int) -> int:
