@@ -10,9 +10,9 @@ import pytest
 from callbacks.metrics import WANDB_ID_FILE
 from tasks.compose import compose_config
 from tasks.runner import run_task
-from veoptim.checkpoint import contents as C
+from veoptim.checkpoint import component as C
 from veoptim.checkpoint import step_name
-from veoptim.checkpoint.resolve import resolve_path
+from veoptim.checkpoint.versions import resolve_path
 from veoptim.state import RUN_IDS
 
 BASE = ["run.device=cpu", "train.max_steps=4", "train.global_batch_size=4",

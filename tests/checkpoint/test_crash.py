@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.helpers.payload import check_payload, write_payload
-from veoptim.checkpoint import layout
+from veoptim.checkpoint import versions as layout
 from veoptim.checkpoint.publish import PHASES, Publisher
-from veoptim.checkpoint.resolve import latest_complete, published_names, resolve
+from veoptim.checkpoint.versions import latest_complete, published_names, resolve
 from veoptim.errors import CheckpointError
 
 HELPERS = Path(__file__).parent / "helpers"

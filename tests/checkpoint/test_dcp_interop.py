@@ -18,10 +18,10 @@ from tests.checkpoint.ckpt_state import (
     snapshot,
 )
 from tests.checkpoint.helpers import ckpt_io
-from veoptim.checkpoint import contents as C
+from veoptim.checkpoint import component as C
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.manifest import read_manifest
+from veoptim.checkpoint.versions import read_manifest
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from veoptim.checkpoint.readahead import BUDGET, CHUNK, ShardPrefetch
+from veoptim.checkpoint.storage.readahead import BUDGET, CHUNK, ShardPrefetch
 
 pytestmark = pytest.mark.skipif(
     shutil.which("fincore") is None or not hasattr(os, "posix_fadvise"),

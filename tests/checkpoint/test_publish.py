@@ -11,18 +11,19 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.helpers.payload import check_payload, write_payload
-from veoptim.checkpoint import layout
-from veoptim.checkpoint.faults import PHASE_RETENTION
-from veoptim.checkpoint.manifest import CHECKSUM_MAX_BYTES, read_manifest, verify
-from veoptim.checkpoint.publish import Publisher
-from veoptim.checkpoint.resolve import (
+from veoptim.checkpoint import versions as layout
+from veoptim.checkpoint.publish import PHASE_RETENTION, Publisher
+from veoptim.checkpoint.versions import (
+    CHECKSUM_MAX_BYTES,
     is_within,
     latest_complete,
     read_link,
+    read_manifest,
     resolve,
     resolve_path,
     resolve_reference,
     resolve_version,
+    verify,
 )
 from veoptim.errors import CheckpointError
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.helpers.payload import write_payload
-from veoptim.checkpoint import layout
+from veoptim.checkpoint import versions as layout
 from veoptim.checkpoint.publish import Publisher
-from veoptim.checkpoint.resolve import resolve
+from veoptim.checkpoint.versions import resolve
 
 FAULT_WRITER = Path(__file__).parent / "helpers" / "fault_writer.py"
 

@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from veoptim.checkpoint.raw_format import RawChunk, byte_view
-from veoptim.checkpoint.raw_writer import RawFileSystemWriter
-from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
+from veoptim.checkpoint.storage.raw_format import RawChunk, byte_view
+from veoptim.checkpoint.storage.raw_writer import RawFileSystemWriter
+from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 
 SHAPES = {
     "w.f32": (torch.float32, (10, 6)),

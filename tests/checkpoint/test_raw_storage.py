@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from veoptim.checkpoint.raw_format import DTYPES, RawChunk, byte_view, contiguous_range
-from veoptim.checkpoint.raw_writer import RawFileSystemWriter
-from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
+from veoptim.checkpoint.storage.raw_format import DTYPES, RawChunk, byte_view, contiguous_range
+from veoptim.checkpoint.storage.raw_writer import RawFileSystemWriter
+from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 from veoptim.errors import CheckpointError
 
 warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
@@ -126,6 +126,29 @@ def test_a_load_never_unpickles_anything_but_the_metadata(tmp_path, monkeypatch)
     monkeypatch.setattr(torch.serialization, "load", refuse)
     loaded = _load(tmp_path, state)
     assert _bytes(loaded["big"]) == _bytes(state["big"])
+
+
+def test_metadata_written_before_the_storage_moved_still_loads(tmp_path, monkeypatch):
+    """Earlier releases pickled ``RawChunk`` as ``veoptim.checkpoint.raw_format.RawChunk``:
+    such a checkpoint still reads; another module path for the same class stays refused."""
+    import sys
+
+    from veoptim.checkpoint.storage import raw_format
+
+    def save_as(module: str, path: Path) -> None:
+        with monkeypatch.context() as patch:  # pickle records the class under ``module``
+            patch.setitem(sys.modules, module, raw_format)
+            patch.setattr(RawChunk, "__module__", module)
+            _save(state, path)
+        assert module.encode() in (path / ".metadata").read_bytes()
+
+    state = _state()
+    save_as("veoptim.checkpoint.raw_format", tmp_path / "old")
+    loaded = _load(tmp_path / "old", state)
+    assert _bytes(loaded["big"]) == _bytes(state["big"])
+    save_as("veoptim.elsewhere.raw_format", tmp_path / "other")  # negative control
+    with pytest.raises(CheckpointError, match="veoptim.elsewhere.raw_format.RawChunk"):
+        read_dcp_metadata(tmp_path / "other")
 
 
 def test_a_partial_box_is_read_from_its_byte_range(tmp_path):

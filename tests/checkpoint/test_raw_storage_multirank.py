@@ -11,8 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.checkpoint.helpers import raw_dtensor
-from veoptim.checkpoint.raw_format import RawChunk
-from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
+from veoptim.checkpoint.storage.raw_format import RawChunk
+from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 
 pytestmark = pytest.mark.multirank
 

@@ -12,7 +12,7 @@ from tests.checkpoint.ckpt_state import (
     save_with,
     snapshot,
 )
-from veoptim.checkpoint import contents as C
+from veoptim.checkpoint import component as C
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.errors import ConfigError

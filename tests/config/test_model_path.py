@@ -125,7 +125,7 @@ def test_a_training_checkpoint_as_model_path_says_to_export_it(tmp_path, tiny_ov
 
 
 def test_the_checkpoint_marker_is_the_checkpoint_info_file():
-    from veoptim.checkpoint.contents import INFO_FILE
+    from veoptim.checkpoint.component import INFO_FILE
     from veoptim.config.validate import TRAINING_CHECKPOINT_FILE
 
     assert TRAINING_CHECKPOINT_FILE == INFO_FILE

@@ -20,7 +20,7 @@ from tasks.export import main as export_main
 from tests.checkpoint.ckpt_state import build_trainer, save_with
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.manifest import MANIFEST_FILE
+from veoptim.checkpoint.versions import MANIFEST_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}

@@ -1,6 +1,6 @@
 """``python -m tasks.serve`` whose slot store kills the server with SIGKILL the ``N``-th
 time a save reaches ``PHASE``: ``VEOPTIM_TEST_KILL_AT=PHASE:N`` (a phase of
-``veoptim.checkpoint.faults.PHASES``). The restart tests crash a save at an exact point
+``veoptim.checkpoint.publish.PHASES``). The restart tests crash a save at an exact point
 with it instead of a timed kill."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import signal
 
 from tasks.serve import main
-from veoptim.checkpoint.faults import PHASES
+from veoptim.checkpoint.publish import PHASES
 from veoptim.lora.slots.store import SlotStore
 
 phase, _, count = os.environ["VEOPTIM_TEST_KILL_AT"].partition(":")

@@ -1,14 +1,24 @@
-"""Checkpoint layout, crash-atomic publication, readers and retention (see docs/checkpoints.md)."""
+"""Checkpoints in three layers (see docs/architecture.md and docs/checkpoints.md):
 
-from veoptim.checkpoint.layout import step_name, validate_name
+* ``component.py`` + ``checkpointer.py``: the component contract, the ``checkpoint.json``
+  that records it, validation and inventories, and the ``Checkpointer`` (save, restore);
+* ``versions.py`` + ``publish.py``: the versioned-directory store that checkpoints,
+  exports and slots share (names, versions, manifests, readers; publication, retention
+  and the fault phases);
+* ``storage/``: the DCP storage behind them (raw format, reader, writer, prefault,
+  read-ahead, durability), entered only through its package's functions.
+"""
+
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
-from veoptim.checkpoint.resolve import (
+from veoptim.checkpoint.versions import (
     latest_complete,
     resolve,
     resolve_agreed,
     resolve_path,
     resolve_reference,
     resolve_version,
+    step_name,
+    validate_name,
 )
 
 __all__ = [

@@ -16,27 +16,45 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from veoptim.checkpoint import contents as C
+from veoptim.checkpoint import storage
 from veoptim.checkpoint.component import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_FORMAT_VERSION,
+    COMPONENT_JSON,
+    COMPONENT_TENSORS,
+    DCP_DIR,
+    INFO_COMPONENTS,
+    INFO_FILE,
+    INFO_FORMAT,
+    INFO_FORMAT_VERSION,
+    INFO_LAYOUT,
+    INFO_STEP,
+    INFO_WEIGHTS_ONLY,
+    INFO_WORLD_SIZE,
+    JSON_PER_RANK,
+    JSON_SHARED,
     ComponentState,
     SavedComponent,
     Staged,
     StateComponent,
     check_component_name,
+    check_components,
+    check_info,
+    compare_inventory,
+    prefixed,
+    rank_json_path,
+    read_json,
+    saved_inventory,
+    shared_json_path,
 )
-from veoptim.checkpoint.durable import fsync_all
-from veoptim.checkpoint.faults import (
+from veoptim.checkpoint.publish import (
     PHASE_APPLY,
     PHASE_GATHER,
     PHASE_READ,
@@ -44,36 +62,22 @@ from veoptim.checkpoint.faults import (
     PHASE_WRITE,
     PHASE_WRITER,
     FaultHook,
+    PendingVersion,
+    Published,
+    Publisher,
     fire,
 )
-from veoptim.checkpoint.inventory import compare_inventory, prefixed, saved_inventory
-from veoptim.checkpoint.manifest import KIND_CHECKPOINT
-from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
-from veoptim.checkpoint.raw_writer import RawFileSystemWriter
-from veoptim.checkpoint.readahead import ShardPrefetch
-from veoptim.checkpoint.resolve import latest_complete, resolve_agreed
-from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
-from veoptim.checkpoint.validate import check_components, check_info, read_json
+from veoptim.checkpoint.versions import KIND_CHECKPOINT, latest_complete, resolve_agreed
 from veoptim.distributed.agreement import agree, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 
 log = logging.getLogger(__name__)
 
 Components = Mapping[str, StateComponent]
-#: What a phase catches and turns into an agreed failure. DCP's CheckpointException
-#: derives from BaseException, so ``except Exception`` alone would let it escape.
-PHASE_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
-#: DCP names its writer threads after their target function (``Thread-1 (<target>)``).
-_DCP_WRITER_TARGET = "_write_files_from_queue"
 #: DCP writer threads per rank: each writes its own shard file. Two measured 1.35x the
 #: save throughput of one on the development VM (docs/benchmarks.md).
 DEFAULT_WRITE_THREADS = 2
-#: Byte layouts of the DCP shards (checkpoint.format): ``raw`` (veoptim's, fast; read by
-#: veoptim, converted by ``veoptim-export --format dcp``) or ``dcp`` (DCP's own
-#: ``torch_save`` records, readable by torch's tools). Both are read whatever is configured.
-FORMAT_RAW, FORMAT_DCP = "raw", "dcp"
-FORMATS = (FORMAT_RAW, FORMAT_DCP)
-DEFAULT_FORMAT = FORMAT_RAW
+DEFAULT_FORMAT = storage.FORMAT_RAW
 
 
 class Checkpointer:
@@ -94,9 +98,9 @@ class Checkpointer:
     ) -> None:
         if write_threads < 1:
             raise ConfigError(f"checkpoint.write_threads must be >= 1, got {write_threads}.")
-        if storage_format not in FORMATS:
+        if storage_format not in storage.FORMATS:
             raise ConfigError(
-                f"checkpoint.format must be one of {list(FORMATS)}, got {storage_format!r}."
+                f"checkpoint.format must be one of {list(storage.FORMATS)}, got {storage_format!r}."
             )
         self.root = Path(root)
         self.storage_format = storage_format
@@ -106,7 +110,6 @@ class Checkpointer:
             root, keep_last=keep_last, fsync=fsync, group=group, fault_hook=fault_hook
         )
         self._in_flight: tuple[PendingVersion, Future] | None = None
-        quiet_writer_threads()
 
     # ------------------------------------------------------------------ save
     def save(
@@ -134,44 +137,34 @@ class Checkpointer:
         for component_name in components:
             check_component_name(component_name)
         pending = self.publisher.begin(name, kind=KIND_CHECKPOINT, step=step)
-
-        def gather() -> dict[str, ComponentState]:
+        with pending.agreed("gathering state"):
             fire(self.fault_hook, PHASE_GATHER)
-            return {key: component.state() for key, component in components.items()}
-
-        def make_writer() -> FileSystemWriter:
+            states = {key: component.state() for key, component in components.items()}
+        with pending.agreed("creating the writer"):
             fire(self.fault_hook, PHASE_WRITER)
-            kind = RawFileSystemWriter if self.storage_format == FORMAT_RAW else FileSystemWriter
-            return kind(
-                pending.path / C.DCP_DIR, sync_files=self.fsync, thread_count=self.write_threads
+            writer = storage.tensor_writer(
+                pending.path / DCP_DIR,
+                storage_format=self.storage_format,
+                fsync=self.fsync,
+                threads=self.write_threads,
             )
-
-        def write_json() -> None:
-            written = self._write_json(states, pending.path, step, dict(layout or {}), weights_only)
-            pending.note_written(written)
-            if self.fsync:
-                fsync_all(list(written))
-
-        states = pending.run("gathering state", gather)
-        writer = pending.run("creating the writer", make_writer)
-        pending.run("writing the JSON state", write_json)
+        with pending.agreed("writing the JSON state"):
+            files = self._json_files(states, pending.path, step, dict(layout or {}), weights_only)
+            pending.write_files(files)
         tensors = {key: state.tensors for key, state in states.items() if state.tensors}
         future: Future | None = None
         error: BaseException | None = None
-        try:
-            if async_save:
-                future = dcp.async_save(
-                    tensors, storage_writer=writer, process_group=self.async_group
-                )
-            else:
-                dcp.save(tensors, storage_writer=writer, process_group=self.group)
-        except PHASE_ERRORS as exc:  # DCP raises on every rank when any rank's write fails
-            error = readable(exc)
-        if error is None:
-            try:
-                fire(self.fault_hook, PHASE_WRITE)
-            except PHASE_ERRORS as exc:
-                error = exc
+        try:  # DCP raises on every rank when any rank's write fails
+            future = storage.save_tensors(
+                tensors,
+                writer,
+                group=self.group,
+                async_group=self.async_group,
+                asynchronous=async_save,
+            )
+            fire(self.fault_hook, PHASE_WRITE)
+        except Exception as exc:
+            error = exc
         if future is not None and error is None:
             self._in_flight = (pending, future)
             return None
@@ -188,8 +181,8 @@ class Checkpointer:
         error: BaseException | None = None
         try:
             future.result()
-        except PHASE_ERRORS as exc:
-            error = readable(exc)
+        except Exception as exc:
+            error = exc
         return pending.finish(error, files_flushed=True)
 
     def abandon(self) -> str | None:
@@ -203,7 +196,7 @@ class Checkpointer:
         pending.discard()
         return pending.name
 
-    def _write_json(
+    def _json_files(
         self,
         states: dict[str, ComponentState],
         path: Path,
@@ -211,39 +204,36 @@ class Checkpointer:
         layout: dict[str, Any],
         weights_only: bool,
     ) -> dict[Path, bytes]:
-        """Each component's JSON (rank 0 the shared ones, every rank its own), then, on rank 0,
-        ``checkpoint.json`` describing them; returns the files written and their bytes."""
+        """The JSON files this rank writes: each component's (rank 0 the shared ones, every
+        rank its own), then, on rank 0, ``checkpoint.json`` describing them."""
         me = rank(self.group)
-        written: dict[Path, bytes] = {}
+        files: dict[Path, bytes] = {}
         entries: dict[str, dict[str, Any]] = {}
         for name, state in states.items():
             scope = None
             if state.json is not None:
-                scope = C.JSON_PER_RANK if state.json_per_rank else C.JSON_SHARED
-                target = (
-                    C.rank_json_path(path, name, me)
-                    if state.json_per_rank
-                    else C.shared_json_path(path, name)
-                )
+                scope = JSON_PER_RANK if state.json_per_rank else JSON_SHARED
                 if state.json_per_rank or me == 0:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    written[target] = json.dumps(state.json, indent=1).encode()
-                    target.write_bytes(written[target])
-            entries[name] = {C.COMPONENT_TENSORS: bool(state.tensors), C.COMPONENT_JSON: scope}
+                    target = (
+                        rank_json_path(path, name, me)
+                        if state.json_per_rank
+                        else shared_json_path(path, name)
+                    )
+                    files[target] = json.dumps(state.json, indent=1).encode()
+            entries[name] = {COMPONENT_TENSORS: bool(state.tensors), COMPONENT_JSON: scope}
         if me != 0:
-            return written
+            return files
         info = {
-            C.INFO_FORMAT: C.CHECKPOINT_FORMAT,
-            C.INFO_FORMAT_VERSION: C.CHECKPOINT_FORMAT_VERSION,
-            C.INFO_STEP: step,
-            C.INFO_WORLD_SIZE: world_size(self.group),
-            C.INFO_LAYOUT: layout,
-            C.INFO_WEIGHTS_ONLY: weights_only,
-            C.INFO_COMPONENTS: entries,
+            INFO_FORMAT: CHECKPOINT_FORMAT,
+            INFO_FORMAT_VERSION: CHECKPOINT_FORMAT_VERSION,
+            INFO_STEP: step,
+            INFO_WORLD_SIZE: world_size(self.group),
+            INFO_LAYOUT: layout,
+            INFO_WEIGHTS_ONLY: weights_only,
+            INFO_COMPONENTS: entries,
         }
-        written[path / C.INFO_FILE] = json.dumps(info, indent=1).encode()
-        (path / C.INFO_FILE).write_bytes(written[path / C.INFO_FILE])
-        return written
+        files[path / INFO_FILE] = json.dumps(info, indent=1).encode()
+        return files
 
     # ------------------------------------------------------------------ load
     def latest(self) -> str | None:
@@ -277,7 +267,7 @@ class Checkpointer:
         otherwise it may hold more, which are left unread (e.g. weights only).
         """
         self.wait()
-        prefetch = ShardPrefetch(path / C.DCP_DIR, rank(self.group))  # reads while we validate
+        prefetch = storage.read_ahead(path / DCP_DIR, rank(self.group))  # reads while we validate
         try:
             return self._load(components, path, exact)
         finally:
@@ -290,15 +280,15 @@ class Checkpointer:
         try:
             staged, step, metadata = self._stage(components, path, exact)
             fire(self.fault_hook, PHASE_VALIDATE)
-        except PHASE_ERRORS as exc:
+        except Exception as exc:
             outcome = exc
         agree(outcome, f"validating checkpoint {path}", self.group)
         outcome = True
         try:
             self._read(staged, path, metadata)
             fire(self.fault_hook, PHASE_READ)
-        except PHASE_ERRORS as exc:
-            outcome = readable(exc)
+        except Exception as exc:
+            outcome = exc
         agree(outcome, f"reading checkpoint {path}", self.group)
         outcome = True
         try:
@@ -306,7 +296,7 @@ class Checkpointer:
             for name, loaded in staged.items():
                 loaded.install()
                 fire(self.fault_hook, f"{PHASE_APPLY}:{name}")
-        except PHASE_ERRORS as exc:
+        except Exception as exc:
             outcome = exc
         try:
             agree(outcome, f"applying checkpoint {path}", self.group)
@@ -322,17 +312,17 @@ class Checkpointer:
     ) -> tuple[dict[str, Staged], int, Metadata]:
         """Validate the whole checkpoint against the live components; allocate read buffers.
         Returns the staged components, the step and the (validated) DCP metadata."""
-        info = check_info(read_json(path / C.INFO_FILE), path)
-        saved = info[C.INFO_COMPONENTS]
-        if exact and info.get(C.INFO_WEIGHTS_ONLY):
+        info = check_info(read_json(path / INFO_FILE), path)
+        saved = info[INFO_COMPONENTS]
+        if exact and info.get(INFO_WEIGHTS_ONLY):
             raise CheckpointError(
                 f"{path} is a weights-only checkpoint (it holds {', '.join(saved)}; written "
                 "with checkpoint.save_optimizer=false), so it cannot restore the whole run; "
                 "resume from it with checkpoint.load_optimizer=false."
             )
         check_components(saved, components, path, exact=exact)
-        dcp_dir = path / C.DCP_DIR
-        metadata = read_dcp_metadata(dcp_dir)
+        dcp_dir = path / DCP_DIR
+        metadata = storage.read_metadata(dcp_dir)
         staged: dict[str, Staged] = {}
         expected, found = {}, {}
         for name, component in components.items():
@@ -341,30 +331,26 @@ class Checkpointer:
                 path=path,
                 json=self._saved_json(path, name, saved[name], info),
                 tensors=saved_inventory(metadata, name, dcp_dir),
-                step=info[C.INFO_STEP],
-                world_size=info[C.INFO_WORLD_SIZE],
-                layout=info.get(C.INFO_LAYOUT),
+                step=info[INFO_STEP],
+                world_size=info[INFO_WORLD_SIZE],
+                layout=info.get(INFO_LAYOUT),
             )
             staged[name] = component.stage(view)
             expected.update(prefixed(name, staged[name].expected))
             found.update(prefixed(name, view.tensors))
         compare_inventory(expected, found, dcp_dir)
-        return staged, info[C.INFO_STEP], metadata
+        return staged, info[INFO_STEP], metadata
 
     def _saved_json(self, path: Path, name: str, entry: dict[str, Any], info: dict) -> Any:
-        scope = entry.get(C.COMPONENT_JSON)
-        if scope == C.JSON_SHARED:
-            return read_json(C.shared_json_path(path, name))
-        if scope == C.JSON_PER_RANK:
+        scope = entry.get(COMPONENT_JSON)
+        if scope == JSON_SHARED:
+            return read_json(shared_json_path(path, name))
+        if scope == JSON_PER_RANK:
             me = rank(self.group)
-            return (
-                read_json(C.rank_json_path(path, name, me))
-                if me < info[C.INFO_WORLD_SIZE]
-                else None
-            )
+            return read_json(rank_json_path(path, name, me)) if me < info[INFO_WORLD_SIZE] else None
         if scope is not None:
             raise CheckpointError(
-                f"{path / C.INFO_FILE}: component {name!r} has JSON scope {scope!r}."
+                f"{path / INFO_FILE}: component {name!r} has JSON scope {scope!r}."
             )
         return None
 
@@ -372,70 +358,11 @@ class Checkpointer:
         buffers = {name: s.buffers for name, s in staged.items() if s.buffers}
         if not buffers:
             return
-        dcp.load(
-            buffers,
-            storage_reader=SafeFileSystemReader(path / C.DCP_DIR, metadata),
-            # Validation matched every loaded component's inventory exactly; other saved
-            # components (e.g. the optimizer on a weights-only load) are left unread.
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-            process_group=self.group,
-        )
-
-
-def readable(error: BaseException) -> BaseException:
-    """DCP's CheckpointException as a CheckpointError naming each failing rank's own cause.
-
-    Its text is whole tracebacks, so the agreed message (causes are cut at a few hundred
-    characters) would otherwise lose the actual cause, e.g. ``ENOSPC`` on rank 1.
-    """
-    if not isinstance(error, CheckpointException):
-        return error
-    causes = "; ".join(
-        f"rank {rank}: {_root_cause(cause)}"
-        for rank, (cause, _trace) in sorted(error.failures.items())
-    )
-    readable_error = CheckpointError(f"DCP failed on {causes or 'an unknown rank'}")
-    readable_error.__cause__ = error  # keep DCP's tracebacks for the logs
-    return readable_error
-
-
-def quiet_writer_threads() -> None:
-    """Keep a failing DCP writer thread from printing its traceback before the agreed error.
-
-    DCP re-raises a writer thread's exception (e.g. ``ENOSPC``) from ``dcp.save`` or the
-    async save's future, where it becomes one readable ``CheckpointError``; the thread's
-    own traceback on stderr would only bury that line. Installed once per process (the
-    threads of an async save outlive ``save``); other threads' exceptions still print.
-    """
-    previous = threading.excepthook
-    if getattr(previous, "veoptim_dcp_filter", False):
-        return
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if args.thread is not None and _DCP_WRITER_TARGET in args.thread.name:
-            log.debug("DCP writer thread %s failed: %s", args.thread.name, args.exc_value)
-            return
-        previous(args)
-
-    hook.veoptim_dcp_filter = True  # type: ignore[attr-defined]
-    threading.excepthook = hook
-
-
-def _root_cause(error: BaseException) -> str:
-    """The operating-system error behind ``error`` if there is one (a full disk surfaces in
-    DCP as a zip-writer ``RuntimeError`` whose context is the ``OSError``), else ``error``."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, OSError):
-            return f"{type(cause).__name__}: {cause}"
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return f"{type(error).__name__}: {error}"
+        storage.load_tensors(buffers, path / DCP_DIR, metadata, group=self.group)
 
 
 def _quietly_wait(future: Future) -> None:
     try:
         future.result()
-    except PHASE_ERRORS as exc:  # the write already failed; this is only cleanup
+    except Exception as exc:  # the write already failed; this is only cleanup
         log.debug("async checkpoint write also failed: %s", exc)

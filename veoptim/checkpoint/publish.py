@@ -1,13 +1,17 @@
-"""Crash-atomic publication of checkpoint versions, used by every writer.
+"""The versioned-directory store that checkpoints, exports and slots share: crash-atomic
+publication of versions under names, retention, and the fault phases of a save or load.
+It is the one caller of the DCP storage's durability (``storage.fsync_*``).
 
     publisher = Publisher(root, keep_last=3, fsync=True, group=None)
     with publisher.write("step_00000100", step=100) as version_dir:
         ...  # every rank writes its files into version_dir
 
-or, when the files are written in the background (``dcp.async_save``)::
+or, when the caller writes in stages of its own, or in the background (``dcp.async_save``)::
 
     pending = publisher.begin("step_00000100", step=100)   # collective: prepare
-    ...                                                     # write into pending.path
+    with pending.agreed("gathering state"):                # a stage, ending in agreement
+        ...
+    pending.write_files({pending.path / "a.json": data})   # small files, noted and flushed
     pending.finish(error_or_none)                           # collective: publish
 
 A save is one sequence of phases, run by ``PendingVersion._begin`` and
@@ -19,15 +23,36 @@ them, in this order:
    (skipped when the caller says its writers already flushed them: ``files_flushed``);
 3. manifest (rank 0): written last, listing every other file;
 4. flush (rank 0): fsync of the manifest, every directory of the version and ``.versions``,
-   concurrently (one merged device flush: see ``durable.py``);
+   concurrently (one merged device flush: see ``storage``);
 5. point (rank 0): a temporary relative symlink ``os.replace``-d over the name, fsync of
    the root; rolled back if anything fails after the replace;
 6. retain (rank 0, best-effort): ``keep_last`` and cleanup; never fails the save.
 
 Phases 1, 2 and 3-5 each end in a cross-rank agreement, so every rank raises the same
 ``CheckpointError``. A failure leaves the previous version of the name published and
-removes the new, unpublished version directory. ``faults.PHASES`` names the points where
-tests inject faults.
+removes the new, unpublished version directory. ``PHASES`` names the points where tests
+inject faults.
+
+Retention and crash-debris cleanup are best-effort: failures are logged, never raised.
+
+* ``prune_names`` unlinks the oldest prunable names beyond ``keep_last`` (a name counts only
+  if it is the name its version was first published under; a second link made by hand is
+  never pruned).
+* ``collect_garbage`` removes temporary links and versions that no name points to. Entries
+  in ``protected`` (saves in flight, the version a save just moved its name away from) and
+  versions any name points to are never touched.
+
+Deleting a version unlinks its manifest first, so a half-deleted version is never taken
+for a complete one.
+
+Fault hooks are named points in a save where tests inject a failure or a crash.
+
+A hook is called with a phase name when a save or a load reaches that point; whatever it
+raises (or a ``SIGKILL`` it sends) is a fault at exactly that point. Production code passes
+no hook. Every phase is named here, once: the publication's (``PHASES``, in the order a
+save reaches them, so the crash and fault tests can iterate over all of them), the
+checkpointer's own around them (``SAVE_PHASES``), and a load's (``LOAD_PHASES``; ``apply``
+fires once, then ``apply:<component>`` after each component is installed).
 """
 
 from __future__ import annotations
@@ -35,50 +60,81 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from veoptim.checkpoint.durable import fsync_all, fsync_dir, fsync_tree
-from veoptim.checkpoint.faults import (
-    PHASE_AFTER_MANIFEST,
-    PHASE_AFTER_REPLACE,
-    PHASE_BEFORE_MANIFEST,
-    PHASE_BEFORE_REPLACE,
-    PHASE_PREPARED,
-    PHASE_WRITTEN,
-    PHASES,
-    FaultHook,
-    fire,
-)
-from veoptim.checkpoint.in_flight import in_flight, register, root_key, unregister
-from veoptim.checkpoint.layout import (
+from veoptim.checkpoint import storage
+from veoptim.checkpoint.versions import (
+    KIND_CHECKPOINT,
+    Manifest,
+    build_manifest,
+    is_temp_link_name,
+    is_version_id,
     link_path,
     link_target,
     manifest_path,
     new_version_id,
+    published_names,
+    read_link,
+    read_manifest,
+    scan_tree,
     temp_link_path,
     validate_name,
     version_dir,
     versions_dir,
-)
-from veoptim.checkpoint.manifest import (
-    KIND_CHECKPOINT,
-    Manifest,
-    build_manifest,
-    scan_tree,
     write_manifest,
 )
-from veoptim.checkpoint.resolve import read_link
-from veoptim.checkpoint.retention import collect_garbage, prune_names, remove_version
 from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank, world_size
 from veoptim.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- fault hooks: the one vocabulary of phases
+FaultHook = Callable[[str], None]
+
+PHASE_GATHER = "gather"  # every rank, before the components' state is gathered
+PHASE_WRITER = "writer"  # every rank, before the DCP storage writer is created
+PHASE_WRITE = "write"  # every rank, after dcp.save wrote this rank's files
+PHASE_VALIDATE = "validate"  # every rank, after the checkpoint is validated and staged
+PHASE_READ = "read"  # every rank, after dcp.load into the staging buffers
+PHASE_APPLY = "apply"  # every rank, before the first component is installed
+PHASE_PREPARED = "prepared"  # every rank, after the version directory exists
+PHASE_WRITTEN = "written"  # every rank, after the caller's writes, before their fsync
+PHASE_BEFORE_MANIFEST = "before_manifest"  # rank 0, every rank's files are in
+PHASE_AFTER_MANIFEST = "after_manifest"  # rank 0, manifest written and flushed, name unmoved
+PHASE_BEFORE_REPLACE = "before_replace"  # rank 0, the temporary link exists
+PHASE_AFTER_REPLACE = "after_replace"  # rank 0, the name points to the new version
+PHASE_RETENTION = "retention"  # rank 0, before retention removes a name or a version
+
+PHASES = (
+    PHASE_PREPARED,
+    PHASE_WRITTEN,
+    PHASE_BEFORE_MANIFEST,
+    PHASE_AFTER_MANIFEST,
+    PHASE_BEFORE_REPLACE,
+    PHASE_AFTER_REPLACE,
+    PHASE_RETENTION,
+)
+#: A checkpointer's save, in order: the publication's first phase, its own, then the rest.
+SAVE_PHASES = (PHASE_PREPARED, PHASE_GATHER, PHASE_WRITER, PHASE_WRITE, *PHASES[1:])
+LOAD_PHASES = (PHASE_VALIDATE, PHASE_READ, PHASE_APPLY)
+
+
+def fire(hook: FaultHook | None, phase: str) -> None:
+    """Call ``hook`` with ``phase`` if a hook is set (tests only)."""
+    if hook is not None:
+        hook(phase)
+
+
+# ---------------------------------------------------------------- publication
 
 
 def _refuse_legacy(link: Path) -> None:
@@ -222,15 +278,31 @@ class PendingVersion:
             self._retain(published)
         return published
 
-    def run(self, what: str, step: Callable[[], T]) -> T:
+    @contextmanager
+    def agreed(self, what: str) -> Iterator[None]:
         """A caller's stage of the write (gathering state, creating a writer, ...) on every
         rank, ending in agreement: if any rank fails, the version is removed and every rank
         raises the same ``CheckpointError``, so no rank goes on into a collective alone."""
+        outcome: bool | BaseException = True
         try:
-            return self._agreed(f"checkpoint {self.name!r} {what}", step)  # type: ignore[return-value]
+            yield
+        except Exception as exc:
+            outcome = exc
+        try:
+            self._agree(outcome, f"checkpoint {self.name!r} {what}")
         except CheckpointError:
             self._finished = True
             raise
+
+    def write_files(self, files: Mapping[Path, bytes]) -> None:
+        """Write these small files of this rank into the version (parents created), note
+        their bytes for the manifest and, with ``fsync``, flush them together."""
+        for path, data in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        self.note_written(files)
+        if self.publisher.fsync:
+            storage.fsync_all(list(files))
 
     def note_written(self, files: Mapping[Path, bytes]) -> None:
         """This rank wrote exactly these bytes to these files of the version: on rank 0 the
@@ -253,7 +325,7 @@ class PendingVersion:
         if not versions.is_dir():
             versions.mkdir(parents=True, exist_ok=True)
             if pub.fsync:
-                fsync_dir(self.root)  # .versions must outlive a power loss before any name
+                storage.fsync_dir(self.root)  # .versions must outlive a power loss before any name
         _refuse_legacy(link_path(self.root, self.name))
         try:
             collect_garbage(self.root, protected=in_flight(self._key))
@@ -273,7 +345,7 @@ class PendingVersion:
         its writers already did (then every file is flushed by the rank that wrote it)."""
         fire(self.publisher.fault_hook, PHASE_WRITTEN)
         if self.publisher.fsync and not files_flushed:
-            fsync_tree(self.path, files=True, dirs=False)
+            storage.fsync_tree(self.path, files=True, dirs=False)
 
     def _write_manifest(self) -> tuple[Manifest, list[str]]:
         """Rank 0: the manifest, last, describing every file all ranks wrote; returns it and
@@ -299,7 +371,9 @@ class PendingVersion:
         durable before the name moves (one concurrent batch: the flushes merge)."""
         pub = self.publisher
         if pub.fsync:  # the manifest, every directory, the version's entry in .versions
-            fsync_all(files=[manifest_path(self.path)], dirs=[*dirs, versions_dir(self.root)])
+            storage.fsync_all(
+                files=[manifest_path(self.path)], dirs=[*dirs, versions_dir(self.root)]
+            )
         fire(pub.fault_hook, PHASE_AFTER_MANIFEST)
 
     def _point(self) -> str | None:
@@ -328,7 +402,7 @@ class PendingVersion:
         try:
             fire(pub.fault_hook, PHASE_AFTER_REPLACE)
             if pub.fsync:
-                fsync_dir(self.root)
+                storage.fsync_dir(self.root)
         except BaseException as exc:
             self._roll_back(previous, exc)
             raise
@@ -380,8 +454,7 @@ class PendingVersion:
         rank0_only: bool = False,
     ) -> T | None:
         """Run ``step`` on this rank (unless it already failed with ``error``), then agree on
-        the outcome across ranks; if any rank failed, remove the version and raise the
-        agreed ``CheckpointError`` (the same on every rank)."""
+        the outcome across ranks (see :meth:`_agree`)."""
         outcome: bool | BaseException = True if error is None else error
         result = None
         if error is None and (self.publisher.is_rank0 or not rank0_only):
@@ -389,12 +462,17 @@ class PendingVersion:
                 result = step()
             except Exception as exc:
                 outcome = exc
+        self._agree(outcome, what)
+        return result
+
+    def _agree(self, outcome: bool | BaseException, what: str) -> None:
+        """Agree on this rank's outcome; if any rank failed, remove the version and raise
+        the agreed ``CheckpointError`` (the same on every rank)."""
         try:
             agree(outcome, what, self.publisher.group)
         except CheckpointError:
             self._remove()
             raise
-        return result
 
     def discard(self) -> None:
         """Give up without agreement (training failed, peers may be gone): never published;
@@ -415,4 +493,130 @@ class PendingVersion:
             unregister(self._key, self.version_id)
 
 
-__all__ = ["PHASES", "PendingVersion", "Published", "Publisher"]
+# ---------------------------------------------------------------- retention and cleanup (best-effort)
+
+
+def remove_version(version: Path) -> None:
+    """Delete a version: manifest first (it stops being complete), then the rest."""
+    try:
+        manifest_path(version).unlink()
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(version)
+
+
+def collect_garbage(
+    root: Path,
+    *,
+    protected: Collection[str] = (),
+    fault_hook: FaultHook | None = None,
+) -> list[Path]:
+    """Remove unreferenced versions and stray temporary links; return what was removed.
+
+    ``protected`` holds entry names (version ids, temporary link names) to keep.
+    """
+    root = Path(root)
+    removed: list[Path] = []
+    try:
+        for entry in os.listdir(root):
+            if is_temp_link_name(entry) and entry not in protected:
+                _best_effort((root / entry).unlink, root / entry, removed)
+    except OSError as exc:
+        log.warning("Checkpoint cleanup could not list %s: %s", root, exc)
+        return removed
+    referenced = set(published_names(root).values())
+    try:
+        entries = sorted(os.listdir(versions_dir(root)))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not is_version_id(entry) or entry in referenced or entry in protected:
+            continue
+        path = version_dir(root, entry)
+        fire(fault_hook, PHASE_RETENTION)
+        _best_effort(lambda p=path: remove_version(p), path, removed)
+    return removed
+
+
+def _best_effort(action: Callable[[], None], path: Path, removed: list[Path]) -> None:
+    try:
+        action()
+        removed.append(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("Checkpoint cleanup could not remove %s (ignored): %s", path, exc)
+
+
+def _prunable(root: Path, kind: str) -> list[tuple[tuple[int, int], str]]:
+    out = []
+    for name, version_id in published_names(root).items():
+        try:
+            manifest: Manifest = read_manifest(version_dir(root, version_id))
+        except CheckpointError:
+            continue
+        if manifest.kind == kind and manifest.prunable and manifest.name == name:
+            step = -1 if manifest.step is None else manifest.step
+            out.append(((step, manifest.created_ns), name))
+    return sorted(out)
+
+
+def prune_names(
+    root: Path,
+    *,
+    keep_last: int,
+    kind: str,
+    keep_name: str,
+    fault_hook: FaultHook | None = None,
+) -> list[str]:
+    """Unlink the oldest prunable ``kind`` names beyond ``keep_last`` (never ``keep_name``).
+
+    Only the names go; their versions, now unreferenced, go with ``collect_garbage``.
+    """
+    if keep_last <= 0:
+        return []
+    everything = _prunable(Path(root), kind)
+    candidates = [name for _, name in everything if name != keep_name]
+    excess = len(everything) - keep_last
+    pruned: list[str] = []
+    for name in candidates[: max(excess, 0)]:
+        fire(fault_hook, PHASE_RETENTION)
+        try:
+            (Path(root) / name).unlink()
+        except OSError as exc:
+            log.warning("Checkpoint retention could not unlink %s (ignored): %s", name, exc)
+            continue
+        pruned.append(name)
+    return pruned
+
+
+# ---------------------------------------------------------------- saves in flight in this process
+# The entries (version ids, temporary link names) of saves in flight in this process.
+#
+# Keyed by the real path of their checkpoint root, so cleanup run by another ``Publisher``
+# on the same root (however its path is spelled) never deletes what a save is still
+# writing.
+_ENTRIES: dict[str, set[str]] = {}
+_LOCK = threading.Lock()
+
+
+def root_key(root: Path) -> str:
+    """The registry's key for ``root``: its real path (resolve once per save: each resolve
+    is a walk of ``lstat`` calls)."""
+    return str(Path(root).resolve())
+
+
+def register(key: str, entry: str) -> None:
+    with _LOCK:
+        _ENTRIES.setdefault(key, set()).add(entry)
+
+
+def unregister(key: str, entry: str) -> None:
+    with _LOCK:
+        _ENTRIES.get(key, set()).discard(entry)
+
+
+def in_flight(key: str) -> set[str]:
+    """A copy of the entries in flight under the root ``key``."""
+    with _LOCK:
+        return set(_ENTRIES.get(key, ()))

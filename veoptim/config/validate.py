@@ -22,7 +22,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "logging.wandb.mode": ("disabled", "offline", "online"),
 }
 
-#: The file that marks a veoptim training checkpoint (``veoptim.checkpoint.contents``,
+#: The file that marks a veoptim training checkpoint (``veoptim.checkpoint.component``,
 #: which this package may not import).
 TRAINING_CHECKPOINT_FILE = "checkpoint.json"
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from veoptim.checkpoint.publish import Publisher
-from veoptim.checkpoint.resolve import read_link
+from veoptim.checkpoint.versions import read_link
 from veoptim.config.schema import TrainerConfig
 from veoptim.distributed.agreement import on_rank0
 from veoptim.export.hf_format import KIND_HF_EXPORT, make_readable, write_hf_export

@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from veoptim.checkpoint import contents as C
-from veoptim.checkpoint.layout import MANIFEST_FILE
-from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
+from veoptim.checkpoint import component as C
+from veoptim.checkpoint import storage
+from veoptim.checkpoint.versions import MANIFEST_FILE
 from veoptim.errors import CheckpointError
 
 
@@ -44,15 +42,17 @@ def _nested(flat: dict[str, torch.Tensor], metadata: Metadata, where: Path) -> d
 def write_dcp(source: Any, out_dir: Path, options: Any) -> None:
     """Copy ``source``'s checkpoint into ``out_dir`` with DCP ``torch_save`` shards."""
     dcp_dir = source.version / C.DCP_DIR
-    metadata = read_dcp_metadata(dcp_dir)
+    metadata = storage.read_metadata(dcp_dir)
     flat = {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
     }
-    dcp.load(flat, storage_reader=SafeFileSystemReader(dcp_dir, metadata), no_dist=True)
+    storage.load_tensors(flat, dcp_dir, metadata, local=True)
     for item in source.version.iterdir():
         if item.name in (MANIFEST_FILE, C.DCP_DIR):
             continue
         (shutil.copytree if item.is_dir() else shutil.copy2)(item, out_dir / item.name)
-    writer = FileSystemWriter(out_dir / C.DCP_DIR, sync_files=False)  # the publisher flushes
-    dcp.save(_nested(flat, metadata, dcp_dir), storage_writer=writer, no_dist=True)
+    writer = storage.tensor_writer(  # DCP's own records; the publisher flushes
+        out_dir / C.DCP_DIR, storage_format=storage.FORMAT_DCP, fsync=False, threads=1
+    )
+    storage.save_tensors(_nested(flat, metadata, dcp_dir), writer, local=True)

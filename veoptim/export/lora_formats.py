@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from veoptim.checkpoint import contents as C
-from veoptim.checkpoint.validate import read_json
+from veoptim.checkpoint import component as C
+from veoptim.checkpoint.component import read_json
 from veoptim.data import special_token_ids
 from veoptim.errors import CheckpointError
 from veoptim.export.adapters import base_reference, ensure_base_export, write_adapter_dir

@@ -15,17 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from veoptim.checkpoint import contents as C
-from veoptim.checkpoint.component import Inventory
-from veoptim.checkpoint.inventory import compare_inventory, saved_inventory
-from veoptim.checkpoint.layout import VERSIONS_DIR, manifest_path
-from veoptim.checkpoint.resolve import latest_complete, resolve_path
-from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
-from veoptim.checkpoint.validate import check_components, check_info, read_json
+from veoptim.checkpoint import component as C
+from veoptim.checkpoint import storage
+from veoptim.checkpoint.component import (
+    Inventory,
+    check_components,
+    check_info,
+    compare_inventory,
+    read_json,
+    saved_inventory,
+)
+from veoptim.checkpoint.versions import VERSIONS_DIR, latest_complete, manifest_path, resolve_path
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import load_tokenizer, special_token_ids
 from veoptim.errors import CheckpointError
@@ -121,7 +123,7 @@ def open_checkpoint(checkpoint: str | Path) -> CheckpointSource:
     special = special_token_ids(tokenizer)
     model = build_model(cfg.model, len(tokenizer), special, on_meta=True)
     dcp_dir = version / C.DCP_DIR
-    saved = saved_inventory(read_dcp_metadata(dcp_dir), MODEL, dcp_dir)
+    saved = saved_inventory(storage.read_metadata(dcp_dir), MODEL, dcp_dir)
     return CheckpointSource(version, cfg, tokenizer, model, int(info[C.INFO_STEP]), saved)
 
 
@@ -136,9 +138,5 @@ def read_model_tensors(source: CheckpointSource, expected: Inventory) -> dict[st
     dcp_dir = source.version / C.DCP_DIR
     compare_inventory(expected, source.saved, dcp_dir)
     buffers = {key: torch.empty(spec.shape, dtype=spec.dtype) for key, spec in expected.items()}
-    dcp.load(
-        {MODEL: buffers},
-        storage_reader=SafeFileSystemReader(dcp_dir),
-        planner=DefaultLoadPlanner(allow_partial_load=True),
-    )
+    storage.load_tensors({MODEL: buffers}, dcp_dir)
     return buffers

@@ -36,7 +36,7 @@ class WriteGate:
     def install(self) -> None:
         from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
-        from veoptim.checkpoint.raw_writer import RawFileSystemWriter
+        from veoptim.checkpoint.storage.raw_writer import RawFileSystemWriter
 
         for kind in (_FileSystemWriter, RawFileSystemWriter):
             self._wrap(kind)

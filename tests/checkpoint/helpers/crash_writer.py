@@ -3,7 +3,7 @@
     python crash_writer.py ROOT --name ckpt --step 2 --die-at before_replace
     python crash_writer.py ROOT --loop [--count N]   # save step_N and latest (until killed)
 
-``--die-at`` takes a publisher phase (``veoptim.checkpoint.faults.PHASES``) or
+``--die-at`` takes a publisher phase (``veoptim.checkpoint.publish.PHASES``) or
 ``mid_shard`` (inside a shard, before the writer finishes it).
 """
 
@@ -18,10 +18,8 @@ from pathlib import Path
 
 from payload import write_payload
 
-from veoptim.checkpoint.layout import step_name
-from veoptim.checkpoint.manifest import read_manifest
 from veoptim.checkpoint.publish import Publisher
-from veoptim.checkpoint.resolve import latest_complete, resolve
+from veoptim.checkpoint.versions import latest_complete, read_manifest, resolve, step_name
 
 MID_SHARD = "mid_shard"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from payload import check_payload, write_payload
 
 from veoptim.checkpoint.publish import Publisher
-from veoptim.checkpoint.resolve import resolve
+from veoptim.checkpoint.versions import resolve
 from veoptim.errors import CheckpointError
 
 

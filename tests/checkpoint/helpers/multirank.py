@@ -72,7 +72,7 @@ def _scenarios(rank: int, root: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from veoptim.checkpoint.publish import Publisher
-    from veoptim.checkpoint.resolve import published_names, resolve, resolve_agreed
+    from veoptim.checkpoint.versions import published_names, resolve, resolve_agreed
     from veoptim.distributed.agreement import agree
 
     root_path = Path(root)

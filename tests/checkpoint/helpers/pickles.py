@@ -25,7 +25,7 @@ def dangerous_payloads(marker: Path) -> dict[tuple[str, str], bytes]:
     touch = f"touch {marker}"
     code = f"open({str(marker)!r}, 'w').close()"
     meta, fs = "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"
-    raw = "veoptim.checkpoint.raw_format"
+    raw = "veoptim.checkpoint.storage.raw_format"
     return {
         ("builtins", "eval"): _call_global("builtins", "eval", code),
         ("builtins", "exec"): _call_global("builtins", "exec", code),

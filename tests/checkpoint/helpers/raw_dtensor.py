@@ -45,8 +45,8 @@ def _save_and_reshard(rank: int, ckpt: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from veoptim.checkpoint.raw_writer import RawFileSystemWriter
-    from veoptim.checkpoint.safe_dcp import SafeFileSystemReader
+    from veoptim.checkpoint.storage.raw_writer import RawFileSystemWriter
+    from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader
 
     mesh = init_device_mesh("cpu", (WORLD,))
     full = full_tensors()

@@ -17,9 +17,14 @@ from pathlib import Path
 
 from payload import check_payload
 
-from veoptim.checkpoint.layout import manifest_path, version_dir
-from veoptim.checkpoint.manifest import read_manifest
-from veoptim.checkpoint.resolve import latest_complete, read_link, resolve_version
+from veoptim.checkpoint.versions import (
+    latest_complete,
+    manifest_path,
+    read_link,
+    read_manifest,
+    resolve_version,
+    version_dir,
+)
 
 
 def removed(root: Path, name: str, version_id: str | None) -> bool:

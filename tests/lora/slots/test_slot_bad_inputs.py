@@ -17,11 +17,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.lora.slots.helpers import all_states, assert_unchanged, build, train
-from veoptim.checkpoint import contents as C
-from veoptim.checkpoint.layout import MANIFEST_FILE
+from veoptim.checkpoint import component as C
 from veoptim.checkpoint.publish import Publisher
-from veoptim.checkpoint.resolve import resolve
-from veoptim.checkpoint.safe_dcp import SafeFileSystemReader, read_dcp_metadata
+from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader, read_dcp_metadata
+from veoptim.checkpoint.versions import MANIFEST_FILE, resolve
 from veoptim.errors import ConfigError, SlotError
 
 GOOD = "save_000001"

@@ -19,20 +19,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from veoptim.checkpoint import contents as C
+from veoptim.checkpoint import component as C
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.component import StateComponent
-from veoptim.checkpoint.faults import FaultHook
-from veoptim.checkpoint.layout import validate_name
-from veoptim.checkpoint.publish import Published
-from veoptim.checkpoint.resolve import (
+from veoptim.checkpoint.component import StateComponent, check_info, read_json
+from veoptim.checkpoint.publish import FaultHook, Published
+from veoptim.checkpoint.versions import (
     is_within,
     latest_complete,
     published_names,
     resolve,
     resolve_path,
+    validate_name,
 )
-from veoptim.checkpoint.validate import check_info, read_json
 from veoptim.distributed.agreement import on_rank0
 from veoptim.errors import CheckpointError
 

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from veoptim.checkpoint.raw_format import DTYPES, RawChunk, check_storage
-from veoptim.checkpoint.raw_reader import read_raw_items
+from veoptim.checkpoint.storage.raw_format import DTYPES, RawChunk, check_storage
+from veoptim.checkpoint.storage.raw_reader import read_raw_items
 from veoptim.errors import CheckpointError
 
 # DCP warns on every single-process save/load that it "assumes" one process: intended here.
@@ -54,6 +54,12 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     | {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
 )
 
+#: Where a class of the metadata lived in earlier releases -> where it is now: checkpoints
+#: written before the storage moved into ``veoptim.checkpoint.storage`` name the old module.
+MOVED_GLOBALS: dict[tuple[str, str], tuple[str, str]] = {
+    ("veoptim.checkpoint.raw_format", RawChunk.__name__): (RawChunk.__module__, RawChunk.__name__)
+}
+
 
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, source: Path) -> None:
@@ -61,6 +67,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.source = source
 
     def find_class(self, module: str, name: str) -> Any:
+        module, name = MOVED_GLOBALS.get((module, name), (module, name))
         if (module, name) not in ALLOWED_GLOBALS:
             raise CheckpointError(
                 f"DCP metadata {self.source} references {module}.{name}, which is not a DCP "

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from veoptim.checkpoint.raw_format import (
+from veoptim.checkpoint.storage.raw_format import (
     ALIGNMENT,
     RAW_SUFFIX,
     RawChunk,

@@ -21,8 +21,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from veoptim.checkpoint.prefault import prefault
-from veoptim.checkpoint.raw_format import ALIGNMENT, DTYPES, RawChunk, byte_view, contiguous_range
+from veoptim.checkpoint.storage.prefault import prefault
+from veoptim.checkpoint.storage.raw_format import (
+    ALIGNMENT,
+    DTYPES,
+    RawChunk,
+    byte_view,
+    contiguous_range,
+)
 from veoptim.errors import CheckpointError
 
 #: Concurrent sequential reads per rank (threads); a rank's files are split among them.
