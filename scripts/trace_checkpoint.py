@@ -4,8 +4,11 @@ A newcomer reading a save or a resume follows the calls file by file; this measu
 path on the bundled tiny model (one process, CPU): every Python call made while
 ``Trainer.save_checkpoint`` runs, then while a fresh trainer's ``Trainer.resume`` loads
 that checkpoint, recorded with ``sys.setprofile``. Prints JSON: per operation, the files
-of ``veoptim/`` entered (grouped as checkpoint mechanism, DCP storage, and the rest) and
-the number of distinct caller -> callee file edges between them.
+of ``veoptim/`` entered (grouped as checkpoint files outside the DCP storage, the
+distributed agreement they end their phases in, the DCP storage, and the rest), which
+files call into the storage and which storage files they enter (its door: the
+``storage`` package's own functions), and the number of distinct caller -> callee file
+edges between them.
 
     .venv/bin/python scripts/trace_checkpoint.py
 """
@@ -27,15 +30,11 @@ from veoptim.trainer import Trainer  # noqa: E402
 
 LIBRARY = REPO / "veoptim"
 #: The checkpoint mechanism: what a save or resume is made of, beside the state it moves.
-MECHANISM = ("checkpoint/", "distributed/agreement.py")
-#: DCP storage: the raw format's writer and reader, prefault, read-ahead.
-STORAGE = (
-    "checkpoint/raw_",
-    "checkpoint/safe_dcp.py",
-    "checkpoint/prefault",
-    "checkpoint/readahead.py",
-    "checkpoint/prefetch.py",
-)
+CHECKPOINT = "checkpoint/"
+#: The cross-rank agreement every phase ends in (the distributed package's primitive).
+AGREEMENT = "distributed/agreement.py"
+#: DCP storage: raw format, writer, reader, prefault, read-ahead, durability.
+STORAGE = "checkpoint/storage/"
 OVERRIDES = [
     "run.device=cpu",
     "train.max_steps=2",
@@ -83,12 +82,15 @@ def trace(call: Callable[[], object]) -> tuple[set[str], set[tuple[str, str]]]:
 
 def summary(files: set[str], edges: set[tuple[str, str]]) -> dict:
     storage = sorted(f for f in files if f.startswith(STORAGE))
-    mechanism = sorted(f for f in files if f.startswith(MECHANISM) and f not in storage)
-    into_storage = sorted({a for a, b in edges if b in storage and a not in storage})
+    checkpoint = sorted(f for f in files if f.startswith(CHECKPOINT) and f not in storage)
+    mechanism = checkpoint + sorted(f for f in files if f == AGREEMENT)
+    into_storage = {(a, b) for a, b in edges if b in storage and a not in storage}
     return {
-        "mechanism_files": mechanism,
+        "checkpoint_files": checkpoint,
+        "agreement_files": sorted(f for f in files if f == AGREEMENT),
         "storage_files": storage,
-        "callers_into_storage": into_storage,
+        "callers_into_storage": sorted({a for a, _ in into_storage}),
+        "storage_entry_files": sorted({b for _, b in into_storage}),
         "other_library_files": len(files) - len(mechanism) - len(storage),
         "cross_file_edges_in_mechanism": sum(
             1 for a, b in edges if a in mechanism + storage and b in mechanism + storage

@@ -3,12 +3,15 @@
 The rules (see docs/architecture.md): the library never imports the entry points or
 callbacks; the checkpoint package knows only state components, never the trainer, a
 specific component, an optimizer or a model; optimizers know nothing of files; data
-knows nothing of models; the loop knows no task.
+knows nothing of models; the loop knows no task. The DCP storage under
+``veoptim/checkpoint/storage/`` is entered only through its package's own functions (its
+door); and no two files of the library import each other, directly or round a circle.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Collection
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,6 +70,17 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def from_base(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` reads from (relative ones resolved)."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    anchor = module.split(".")
+    anchor = anchor if is_package else anchor[:-1]
+    anchor = anchor[: len(anchor) - (node.level - 1)]
+    return ".".join([*anchor, base] if base else anchor)
+
+
 def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
     """Every module an ``import`` / ``from ... import`` names (relative ones resolved)."""
     found: set[str] = set()
@@ -74,12 +88,7 @@ def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = module.split(".")
-                anchor = anchor if is_package else anchor[:-1]
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
+            base = from_base(node, module, is_package)
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
@@ -102,6 +111,110 @@ def violations(module: str, source: str, is_package: bool = False) -> list[str]:
                 if _within(imported, prefix):
                     out.append(f"{module} imports {imported} (forbidden for {package})")
     return out
+
+
+#: A subpackage -> the modules of the library that may import its modules (not just the
+#: package itself, its door).
+DOORS: dict[str, str] = {"veoptim.checkpoint.storage": "veoptim.checkpoint.storage"}
+
+
+def door_violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    """'module imports X behind the door of P' for every import of a subpackage's module
+    from outside that subpackage."""
+    out = []
+    for imported in sorted(imported_modules(source, module, is_package)):
+        for package, inside in DOORS.items():
+            if _within(imported, package) and imported != package and not _within(module, inside):
+                out.append(f"{module} imports {imported} (enter {package} through its door)")
+    return out
+
+
+def library_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted((REPO / "veoptim").rglob("*.py"))}
+
+
+def runtime_imports(module: str, path: Path, modules: Collection[str]) -> set[str]:
+    """The library modules ``module`` imports when it runs (also inside functions; not
+    under ``if TYPE_CHECKING:``, which never runs). ``from package import submodule`` is an
+    edge to the submodule only: its package was imported before the importing module."""
+    tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped or not isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in modules)
+            continue
+        base = from_base(node, module, path.name == "__init__.py")
+        for alias in node.names:
+            submodule = f"{base}.{alias.name}"
+            found.add(submodule if submodule in modules else base)
+    return (found & set(modules)) - {module}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other round a circle (strongly connected
+    components of more than one module)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return found
+
+
+def test_no_library_files_import_each_other_round_a_circle():
+    modules = library_modules()
+    graph = {name: runtime_imports(name, path, modules) for name, path in modules.items()}
+    assert sum(len(edges) for edges in graph.values()) > 100  # the graph is really read
+    assert circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    """Negative control: a three-module circle (and only it) is found."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_the_dcp_storage_is_entered_only_through_its_door():
+    found = []
+    for name, path in library_modules().items():
+        found += door_violations(name, path.read_text(), path.name == "__init__.py")
+    assert found == []
+    # negative controls: a module behind the door, from outside; the door itself, inside
+    assert door_violations(
+        "veoptim.export.extra", "from veoptim.checkpoint.storage.raw_reader import x\n"
+    )
+    assert not door_violations("veoptim.export.extra", "from veoptim.checkpoint import storage\n")
+    assert not door_violations(
+        "veoptim.checkpoint.storage.extra", "from veoptim.checkpoint.storage.raw_format import x\n"
+    )
 
 
 def test_the_library_keeps_the_import_rules():

@@ -1,5 +1,6 @@
-"""scripts/trace_checkpoint.py: the files a save and a resume pass through, and the one door
-into the DCP storage (the raw format's writer and reader, read-ahead, prefault)."""
+"""scripts/trace_checkpoint.py: the files a save and a resume pass through (at most five
+checkpoint files each, the agreement included), and the one door into the DCP storage
+(the raw format's writer and reader, read-ahead, prefault, durability)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_save_and_resume_reach_the_storage_only_through_the_checkpointer():
+def test_save_and_resume_pass_five_files_and_enter_the_storage_through_its_door():
     done = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "trace_checkpoint.py")],
         capture_output=True,
@@ -21,8 +22,15 @@ def test_save_and_resume_reach_the_storage_only_through_the_checkpointer():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     trace = json.loads(done.stdout)
-    assert "checkpoint/raw_writer.py" in trace["save"]["storage_files"]
-    assert "checkpoint/raw_reader.py" in trace["resume"]["storage_files"]
+    assert "checkpoint/storage/raw_writer.py" in trace["save"]["storage_files"]
+    assert "checkpoint/storage/raw_reader.py" in trace["resume"]["storage_files"]
     for operation in ("save", "resume"):
-        assert trace[operation]["callers_into_storage"] == ["checkpoint/checkpointer.py"]
-        assert "checkpoint/checkpointer.py" in trace[operation]["mechanism_files"]
+        files = trace[operation]["checkpoint_files"] + trace[operation]["agreement_files"]
+        assert "checkpoint/checkpointer.py" in files
+        assert len(files) <= 5, files
+        assert not any(f.startswith("checkpoint/storage/") for f in files)
+        assert set(trace[operation]["callers_into_storage"]) <= {
+            "checkpoint/checkpointer.py",
+            "checkpoint/publish.py",
+        }
+        assert trace[operation]["storage_entry_files"] == ["checkpoint/storage/__init__.py"]

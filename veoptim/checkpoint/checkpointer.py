@@ -267,11 +267,8 @@ class Checkpointer:
         otherwise it may hold more, which are left unread (e.g. weights only).
         """
         self.wait()
-        prefetch = storage.read_ahead(path / DCP_DIR, rank(self.group))  # reads while we validate
-        try:
+        with storage.reading_ahead(path / DCP_DIR, rank(self.group)):  # while we validate
             return self._load(components, path, exact)
-        finally:
-            prefetch.stop()
 
     def _load(self, components: Components, path: Path, exact: bool) -> int:
         staged: dict[str, Staged] = {}

@@ -5,10 +5,10 @@ The trainer uses exactly this API; see ``docs/data.md`` for formats and semantic
 """
 
 from veoptim.data.collate import collate
+from veoptim.data.dataset import SFTDataset, load_sft_dataset
 from veoptim.data.fields import IGNORE_INDEX
 from veoptim.data.paths import bundled_dataset_path, bundled_sample_path, bundled_tokenizer_dir
 from veoptim.data.sampler import GlobalBatchSampler
-from veoptim.data.sft import SFTDataset, load_sft_dataset
 from veoptim.data.sources import ReadOptions
 from veoptim.data.tokenizer import load_tokenizer, special_token_ids
 

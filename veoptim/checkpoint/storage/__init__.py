@@ -6,7 +6,7 @@ it (``checkpointer.py``, ``publish.py``) reads as a sequence of phases:
 * tensors: :func:`tensor_writer` (the ``raw`` layout of ``raw_format.py``, or DCP's own),
   :func:`save_tensors` / :func:`load_tensors` (DCP's planner and collectives, failures
   turned into one readable ``CheckpointError``), :func:`read_metadata` (the allow-list
-  unpickler of ``safe_dcp.py``) and :func:`read_ahead` (``readahead.py``);
+  unpickler of ``safe_dcp.py``) and :func:`reading_ahead` (``readahead.py``);
 * durability: :func:`fsync_all`, :func:`fsync_dir`, :func:`fsync_tree`.
 
 Nothing outside this package imports its modules; they are tuned I/O (large sequential
@@ -33,8 +33,9 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +126,15 @@ def load_tensors(
         raise readable(exc) from exc
 
 
-def read_ahead(directory: Path, rank: int) -> ShardPrefetch:
-    """Start reading ``rank``'s shard files into the page cache; ``stop()`` it after the load."""
-    return ShardPrefetch(directory, rank)
+@contextmanager
+def reading_ahead(directory: Path, rank: int) -> Iterator[None]:
+    """Read ``rank``'s shard files into the page cache while the block runs (a load's
+    validation and planning); the reading stops when the block ends."""
+    prefetch = ShardPrefetch(directory, rank)
+    try:
+        yield
+    finally:
+        prefetch.stop()
 
 
 class _ReadableFuture:
