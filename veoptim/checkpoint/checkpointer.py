@@ -105,11 +105,20 @@ class Checkpointer:
         self.root = Path(root)
         self.storage_format = storage_format
         self.write_threads, self.fsync = write_threads, fsync
-        self.group, self.async_group, self.fault_hook = group, async_group, fault_hook
+        self.group, self.async_group = group, async_group
         self.publisher = Publisher(
             root, keep_last=keep_last, fsync=fsync, group=group, fault_hook=fault_hook
         )
         self._in_flight: tuple[PendingVersion, Future] | None = None
+
+    @property
+    def fault_hook(self) -> FaultHook | None:
+        """Called at every save and load phase (tests inject faults with it)."""
+        return self.publisher.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: FaultHook | None) -> None:
+        self.publisher.fault_hook = hook
 
     # ------------------------------------------------------------------ save
     def save(
@@ -121,8 +130,12 @@ class Checkpointer:
         layout: Mapping[str, Any] | None = None,
         weights_only: bool = False,
         async_save: bool = False,
+        within: str | None = None,
     ) -> Published | None:
         """Write and publish ``name``; with ``async_save`` publication happens in :meth:`wait`.
+
+        ``within``: publish under the root ``<root>/<within>`` instead (its own names and
+        retention; e.g. one directory per slot checkpoint name).
 
         ``layout`` (JSON) describes the parallel layout the state was saved under;
         ``weights_only`` records that ``components`` are a weights-only subset of the run's
@@ -136,7 +149,8 @@ class Checkpointer:
         self.wait()
         for component_name in components:
             check_component_name(component_name)
-        pending = self.publisher.begin(name, kind=KIND_CHECKPOINT, step=step)
+        publisher = self.publisher if within is None else self.publisher.under(within)
+        pending = publisher.begin(name, kind=KIND_CHECKPOINT, step=step)
         with pending.agreed("gathering state"):
             fire(self.fault_hook, PHASE_GATHER)
             states = {key: component.state() for key, component in components.items()}

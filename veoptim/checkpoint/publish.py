@@ -185,6 +185,17 @@ class Publisher:
     def is_rank0(self) -> bool:
         return rank(self.group) == 0
 
+    def under(self, name: str) -> Publisher:
+        """This store's options for the root ``<root>/<name>``: a root of its own (its
+        names, versions and retention), e.g. one per slot checkpoint name."""
+        return Publisher(
+            self.root / validate_name(name),
+            keep_last=self.keep_last,
+            fsync=self.fsync,
+            group=self.group,
+            fault_hook=self.fault_hook,
+        )
+
     def begin(
         self,
         name: str,

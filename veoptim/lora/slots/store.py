@@ -19,9 +19,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from veoptim.checkpoint import component as C
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.component import StateComponent, check_info, read_json
+from veoptim.checkpoint.component import (
+    INFO_FILE,
+    INFO_WEIGHTS_ONLY,
+    StateComponent,
+    check_info,
+    read_json,
+)
 from veoptim.checkpoint.publish import FaultHook, Published
 from veoptim.checkpoint.versions import (
     is_within,
@@ -39,7 +44,8 @@ _SAVE_PATTERN = re.compile(r"^save_(\d{6,})$")
 
 
 class SlotStore:
-    """Saves and resolves slot checkpoints under ``root`` (collective calls)."""
+    """The naming policy of slot checkpoints over one ``Checkpointer`` rooted at the slots
+    root (collective calls): a name is a root of its own, a save its next ``save_<n>``."""
 
     def __init__(
         self,
@@ -49,27 +55,21 @@ class SlotStore:
         fsync: bool = True,
         write_threads: int = 2,
         group: Any = None,
-        fault_hook: FaultHook | None = None,
     ) -> None:
         self.root = Path(root)
-        #: Called at every save/load phase (tests inject failures with it).
-        self.fault_hook = fault_hook
-        self.keep_last, self.fsync, self.write_threads, self.group = (
-            keep_last,
-            fsync,
-            write_threads,
-            group,
+        self.group = group
+        self.checkpointer = Checkpointer(
+            self.root, keep_last=keep_last, fsync=fsync, write_threads=write_threads, group=group
         )
 
-    def _checkpointer(self, root: Path) -> Checkpointer:
-        return Checkpointer(
-            root,
-            keep_last=self.keep_last,
-            fsync=self.fsync,
-            write_threads=self.write_threads,
-            group=self.group,
-            fault_hook=self.fault_hook,
-        )
+    @property
+    def fault_hook(self) -> FaultHook | None:
+        """Called at every save/load phase (tests inject failures with it)."""
+        return self.checkpointer.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: FaultHook | None) -> None:
+        self.checkpointer.fault_hook = hook
 
     def save(
         self,
@@ -80,19 +80,21 @@ class SlotStore:
         weights_only: bool,
     ) -> Published:
         """Publish ``components`` as the next save of ``name``."""
-        root = self.root / validate_name(name)
-        sequence = self._next_sequence(root)
-        return self._checkpointer(root).save(
+        sequence = self._next_sequence(self.root / validate_name(name))
+        published = self.checkpointer.save(
             components,
             SAVE_NAME.format(sequence),
             step=sequence,
             layout=layout,
             weights_only=weights_only,
+            within=name,
         )
+        assert published is not None  # a synchronous save publishes or raises
+        return published
 
     def load(self, components: Mapping[str, StateComponent], path: Path, *, exact: bool) -> None:
         """Validate, read and apply ``path`` into ``components`` (the checkpointer's phases)."""
-        self._checkpointer(self.root).load(components, path, exact=exact)
+        self.checkpointer.load(components, path, exact=exact)
 
     def _next_sequence(self, root: Path) -> int:
         """1 + the highest save number published under ``root`` (rank 0 looks; agreed)."""
@@ -113,8 +115,8 @@ class SlotStore:
 
         def find() -> tuple[str, bool]:
             path = self._resolve_here(ref)
-            info = check_info(read_json(path / C.INFO_FILE), path)
-            return str(path), bool(info.get(C.INFO_WEIGHTS_ONLY))
+            info = check_info(read_json(path / INFO_FILE), path)
+            return str(path), bool(info.get(INFO_WEIGHTS_ONLY))
 
         path_text, weights_only = on_rank0(
             find, f"resolving slot checkpoint {str(ref)!r}", self.group
