@@ -20,6 +20,7 @@ from veoptim.checkpoint.versions import (
     read_link,
     read_manifest,
     resolve,
+    resolve_agreed,
     resolve_path,
     resolve_reference,
     resolve_version,
@@ -385,6 +386,28 @@ def test_latest_complete_skips_incomplete_versions(tmp_path: Path) -> None:
     newest = save(pub, layout.step_name(2), 2)
     (newest / "shards" / "shard_1.bin").write_bytes(b"torn")
     assert latest_complete(tmp_path) == layout.step_name(1)
+
+
+def test_auto_resolves_once_and_checks_one_manifest(tmp_path: Path, monkeypatch) -> None:
+    """``auto`` checks the newest version complete once (one manifest read and verified),
+    not once to find it and again to resolve it; a plain name also checks once."""
+    pub = Publisher(tmp_path, fsync=False)
+    save(pub, layout.step_name(1), 1)
+    newest = save(pub, layout.step_name(2), 2)
+    checked: list[Path] = []
+    real_verify = layout.verify
+
+    def counting(version: Path, *args, **kwargs) -> None:
+        checked.append(Path(version))
+        real_verify(version, *args, **kwargs)
+
+    monkeypatch.setattr(layout, "verify", counting)
+    assert resolve_agreed(tmp_path, "auto") == newest
+    assert checked == [newest]
+    checked.clear()
+    assert resolve_agreed(tmp_path, layout.step_name(2)) == newest
+    assert checked == [newest]
+    assert resolve_agreed(tmp_path / "empty", "auto") is None
 
 
 def test_latest_complete_prefers_the_original_name_over_a_second_link(tmp_path: Path) -> None:

@@ -512,6 +512,13 @@ def latest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> str | None:
     under over another name linked to it by hand. Incomplete versions and legacy
     directories without a manifest are skipped with a warning.
     """
+    found = newest_complete(root, kind)
+    return None if found is None else found[0]
+
+
+def newest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> tuple[str, Path] | None:
+    """:func:`latest_complete`'s name and the version directory it resolved to (checked
+    complete once, here)."""
     root = Path(root)
     candidates: list[tuple[tuple[int, int, int], str]] = []
     try:
@@ -536,11 +543,9 @@ def latest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> str | None:
             candidates.append((_order_key(entry, manifest), entry))
     for _, name in sorted(candidates, reverse=True):
         try:
-            resolve(root, name)
+            return name, resolve(root, name)
         except CheckpointError as exc:
             log.warning("Skipping incomplete checkpoint %r: %s", name, exc)
-            continue
-        return name
     return None
 
 
@@ -550,8 +555,10 @@ def resolve_agreed(root: Path, ref: str, group: Any = None) -> Path | None:
     ``CheckpointError``."""
 
     def find() -> str | None:
-        target = latest_complete(root) if ref == "auto" else ref
-        return None if target is None else str(resolve_reference(root, target))
+        if ref != "auto":
+            return str(resolve_reference(root, ref))
+        found = newest_complete(root)
+        return None if found is None else str(found[1])
 
     found = on_rank0(find, f"resolving checkpoint {ref!r}", group)
     return None if found is None else Path(found)
