@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import REPO
 from tests.lora.slots.helpers import build, differences
+from veoptim.lora.slots.store import SlotStore
 
 CHILD = "tests.lora.slots.slot_crash_child"
 #: Save phases in order: DCP and JSON written, manifest, name moved, retention.
@@ -35,7 +36,7 @@ def test_sigkill_during_a_slot_save_leaves_a_loadable_save(tmp_path: Path, phase
     )  # fmt: skip
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     expected = torch.load(tmp_path / ("v2.pt" if phase in NEW_VISIBLE else "v1.pt"))
-    reader.store.root = tmp_path / "checkpoints" / "slots"
+    reader.store = SlotStore(tmp_path / "checkpoints" / "slots")
     reader.load_slot(0, "alice")
     assert differences(expected, reader.slot_state(0)) == []
     reader.save_slot(0, "alice")  # the next save succeeds over the debris

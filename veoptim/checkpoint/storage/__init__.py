@@ -88,7 +88,7 @@ def save_tensors(
     quiet_writer_threads()
     try:
         if asynchronous:
-            return _ReadableFuture(
+            return _readable_future(
                 dcp.async_save(dict(tensors), storage_writer=writer, process_group=async_group)
             )
         dcp.save(dict(tensors), storage_writer=writer, process_group=group, no_dist=local)
@@ -137,17 +137,23 @@ def reading_ahead(directory: Path, rank: int) -> Iterator[None]:
         prefetch.stop()
 
 
-class _ReadableFuture:
-    """An async save's future whose ``result`` raises the readable error."""
+def _readable_future(future: Future) -> Future:
+    """A future that completes with ``future``, a DCP failure turned :func:`readable`."""
+    relayed: Future = Future()
 
-    def __init__(self, future: Future) -> None:
-        self._future = future
+    def relay(done: Future) -> None:
+        error = done.exception()
+        if error is None:
+            relayed.set_result(done.result())
+        elif isinstance(error, CheckpointException):
+            rewritten = readable(error)
+            rewritten.__cause__ = error
+            relayed.set_exception(rewritten)
+        else:
+            relayed.set_exception(error)
 
-    def result(self) -> Any:
-        try:
-            return self._future.result()
-        except CheckpointException as exc:
-            raise readable(exc) from exc
+    future.add_done_callback(relay)
+    return relayed
 
 
 def readable(error: CheckpointException) -> CheckpointError:

@@ -56,11 +56,15 @@ class SlotStore:
         write_threads: int = 2,
         group: Any = None,
     ) -> None:
-        self.root = Path(root)
         self.group = group
         self.checkpointer = Checkpointer(
-            self.root, keep_last=keep_last, fsync=fsync, write_threads=write_threads, group=group
+            root, keep_last=keep_last, fsync=fsync, write_threads=write_threads, group=group
         )
+
+    @property
+    def root(self) -> Path:
+        """The slots root: one directory per slot checkpoint name."""
+        return self.checkpointer.root
 
     @property
     def fault_hook(self) -> FaultHook | None:
