@@ -37,18 +37,18 @@ from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.storage import StorageWriter
-
-from veoptim.checkpoint.storage.raw_writer import RawFileSystemWriter
-from veoptim.checkpoint.storage.readahead import ShardPrefetch
-from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 from veoptim.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.storage import StorageWriter
+
+# torch and DCP are imported by the functions that move tensors, not here: the store's
+# publication, its readers and retention (and the crash tests' writer processes) only
+# need the durability below, and start without paying for torch.
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ def tensor_writer(
 ) -> StorageWriter:
     """A DCP writer into ``directory``: ``threads`` shard files per rank, each fsynced by
     the thread that wrote it when ``fsync``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from veoptim.checkpoint.storage.raw_writer import RawFileSystemWriter
+
     kind = RawFileSystemWriter if storage_format == FORMAT_RAW else FileSystemWriter
     return kind(directory, sync_files=fsync, thread_count=threads)
 
@@ -85,6 +89,9 @@ def save_tensors(
     (the returned future raises the readable error). DCP raises on every rank when any
     rank's write fails: that error comes back as one ``CheckpointError`` naming each
     failing rank's cause (DCP's tracebacks stay its ``__cause__``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     quiet_writer_threads()
     try:
         if asynchronous:
@@ -99,6 +106,8 @@ def save_tensors(
 
 def read_metadata(directory: Path) -> Metadata:
     """The DCP metadata of ``directory``, unpickled with an allow-list (no code runs)."""
+    from veoptim.checkpoint.storage.safe_dcp import read_dcp_metadata
+
     return read_dcp_metadata(directory)
 
 
@@ -114,6 +123,12 @@ def load_tensors(
     process alone). Keys the checkpoint holds that ``buffers`` lacks are left unread (e.g.
     the optimizer on a weights-only load): the caller compared the inventories before.
     ``metadata``: :func:`read_metadata`'s, when the caller has it (else read again)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader
+
     try:
         dcp.load(
             dict(buffers),
@@ -130,6 +145,8 @@ def load_tensors(
 def reading_ahead(directory: Path, rank: int) -> Iterator[None]:
     """Read ``rank``'s shard files into the page cache while the block runs (a load's
     validation and planning); the reading stops when the block ends."""
+    from veoptim.checkpoint.storage.readahead import ShardPrefetch
+
     prefetch = ShardPrefetch(directory, rank)
     try:
         yield
@@ -139,6 +156,8 @@ def reading_ahead(directory: Path, rank: int) -> Iterator[None]:
 
 def _readable_future(future: Future) -> Future:
     """A future that completes with ``future``, a DCP failure turned :func:`readable`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     relayed: Future = Future()
 
     def relay(done: Future) -> None:
