@@ -50,7 +50,6 @@ SLOW_MODULES = (
     "export/test_export_cli.py",
     "export/test_generate.py",
     "lora/slots/test_slot_concurrency.py",
-    "lora/slots/test_slot_crash.py",
     "lora/slots/test_slot_multirank.py",
     "lora/test_lora_multirank_export.py",
     "lora/test_lora_training.py",

@@ -1,5 +1,9 @@
-"""SIGKILL at every phase of a save (real subprocesses): the name always resolves to a
-complete old or new version, a reader loads it, and the next save succeeds and cleans up."""
+"""SIGKILL at every phase of a save (real subprocesses), one campaign for the store's two
+kinds of writer: a plain publication (files written into a version, also killed inside a
+shard) and a slot save through the checkpointer (a real ``SlotTrainer``; every phase of
+the one vocabulary in ``publish.py``: the checkpointer's gather, writer and write, then the
+store's). The name always resolves to a complete old or new version, a reader loads it
+(the slot: bitwise the state saved), and the next save succeeds and cleans up."""
 
 from __future__ import annotations
 
@@ -12,20 +16,29 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.checkpoint.helpers.payload import check_payload, write_payload
+from tests.conftest import REPO
+from tests.lora.slots.helpers import build, differences
 from veoptim.checkpoint import versions as layout
-from veoptim.checkpoint.publish import PHASES, Publisher
+from veoptim.checkpoint.publish import PHASE_AFTER_REPLACE, PHASES, SAVE_PHASES, Publisher
 from veoptim.checkpoint.versions import latest_complete, published_names, resolve
 from veoptim.errors import CheckpointError
+from veoptim.lora.slots.store import SlotStore
 
 HELPERS = Path(__file__).parent / "helpers"
 WRITER = HELPERS / "crash_writer.py"
+SLOT_CHILD = "tests.checkpoint.helpers.slot_crash_child"
 MID_SHARD = "mid_shard"
 REPEATS = 3
-# Phases at which the name must still show the old version (the replace has not happened).
-BEFORE_REPLACE = {MID_SHARD, "prepared", "written", "before_manifest", "after_manifest"}
-BEFORE_REPLACE.add("before_replace")
+#: (writer, phase): the plain publication at each of the store's phases and inside a
+#: shard; the slot save at each phase a checkpointer's save reaches.
+CAMPAIGN = [("version", phase) for phase in (MID_SHARD, *PHASES)] + [
+    ("slot", phase) for phase in SAVE_PHASES
+]
+#: Phases at which the name must show the new version: from the replace on.
+NEW_VISIBLE = set(SAVE_PHASES[SAVE_PHASES.index(PHASE_AFTER_REPLACE) :])
 
 
 def run_writer(root: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -46,10 +59,22 @@ def assert_every_name_complete(root: Path) -> dict[str, int]:
     return {name: check_payload(resolve(root, name)) for name in published_names(root)}
 
 
-@pytest.mark.parametrize("phase", [MID_SHARD, *PHASES])
+@pytest.fixture(scope="module")
+def slot_reader(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("reader"))
+
+
+@pytest.mark.parametrize(("writer", "phase"), CAMPAIGN)
 def test_sigkill_at_phase_leaves_old_or_new_complete_and_next_save_succeeds(
-    tmp_path: Path, phase: str
+    tmp_path: Path, writer: str, phase: str, request
 ) -> None:
+    if writer == "version":
+        sigkill_a_publication(tmp_path, phase)
+    else:
+        sigkill_a_slot_save(tmp_path, phase, request.getfixturevalue("slot_reader"))
+
+
+def sigkill_a_publication(tmp_path: Path, phase: str) -> None:
     root = tmp_path / "ckpts"
     pub = Publisher(root, fsync=False)
     step = 1
@@ -71,7 +96,7 @@ def test_sigkill_at_phase_leaves_old_or_new_complete_and_next_save_succeeds(
         )
         assert killed.returncode == -signal.SIGKILL, killed.stderr
         seen = check_payload(resolve(root, "ckpt"))  # a reader loads it
-        assert seen == (step if phase in BEFORE_REPLACE else step + 1)
+        assert seen == (step + 1 if phase in NEW_VISIBLE else step)
         assert_every_name_complete(root)
         step += 1
         done = run_writer(root, "--step", str(step + 1), "--keep-last", "1")
@@ -81,6 +106,24 @@ def test_sigkill_at_phase_leaves_old_or_new_complete_and_next_save_succeeds(
         assert sorted(published_names(root)) == ["ckpt"]  # keep_last=1 pruned "old"
         # Only the version superseded by this save may remain besides the published one.
         assert len(debris(root)) <= 1 and not [d for d in debris(root) if d.startswith(".")]
+
+
+def sigkill_a_slot_save(tmp_path: Path, phase: str, reader) -> None:
+    """The child saves slot 0 as 'alice' (v1), trains a step, and dies at ``phase`` of the
+    second save; the slot loads bitwise the save the name shows, and saves again."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", SLOT_CHILD, str(tmp_path), phase],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    expected = torch.load(tmp_path / ("v2.pt" if phase in NEW_VISIBLE else "v1.pt"))
+    reader.store = SlotStore(tmp_path / "checkpoints" / "slots")
+    reader.load_slot(0, "alice")
+    assert differences(expected, reader.slot_state(0)) == []
+    reader.save_slot(0, "alice")  # the next save succeeds over the debris
+    reader.load_slot(1, "alice")
+    assert differences(expected, reader.slot_state(1)) == []
 
 
 def test_negative_control_non_atomic_publish_loses_the_name(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""Child process of the slot crash test: save slot 0 as 'alice' (v1), train one step, then
-SIGKILL itself at ``phase`` of the second save. Snapshots of the slot at each save are
-written beside the run for the parent to compare with what it loads."""
+"""Child process of the SIGKILL campaign (``test_crash.py``): save slot 0 as 'alice' (v1),
+train one step, then SIGKILL itself at ``phase`` of the second save. Snapshots of the slot
+at each save are written beside the run for the parent to compare with what it loads.
+``slots.keep_last=1`` so the second save reaches retention (it prunes the first)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.lora.slots.helpers import build, train
 
 
 def main(run_dir: Path, phase: str) -> None:
-    trainer = build(run_dir)
+    trainer = build(run_dir, **{"slots.keep_last": 1})
     trainer.create_slot(0)
     train(trainer, 2, [0])
     trainer.save_slot(0, "alice")
