@@ -1,8 +1,9 @@
 """``checkpoint.async_save=true`` (one process and 2 gloo ranks): real trainer runs.
 
 One spawn per world size runs a sync reference, a gated async run (the DCP data
-write is held on its background thread until training finished the next step) and
-two runs whose async write fails on the last rank (see ``helpers/async_worker.py``).
+write is held on its background thread until training finished the next step),
+two runs whose async write fails on the last rank, and a run whose training fails
+with a save in flight (see ``helpers/async_worker.py``).
 """
 
 from __future__ import annotations
@@ -75,3 +76,14 @@ def test_async_failure_surfaces_at_train_end_on_every_rank(outcome):
         case = result["fail_train_end"]
         assert case["raised_at_step"] == 3
         assert case["latest"] is None
+
+
+def test_failed_training_abandons_the_in_flight_async_save(outcome):
+    _, ranks = outcome
+    for result in ranks:
+        case = result["abandon"]
+        assert case["raised"] and "blew up" in case["raised"]
+        assert case["latest"] is None and not case["step_2_exists"]
+        # The next run saves normally and removes the abandoned version directory.
+        assert case["latest_after"] == step_name(1)
+        assert case["versions_after"] == [step_name(1)]

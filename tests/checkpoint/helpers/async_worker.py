@@ -99,9 +99,22 @@ def _probe(gate: WriteGate, release_at: int) -> Any:
     return Probe()
 
 
+def _fail_at(step: int) -> Any:
+    """A callback that makes training fail (on every rank) at the end of ``step``."""
+    from veoptim.trainer import Callback
+
+    class FailAt(Callback):
+        def on_step_end(self, trainer: Any, metrics: Any) -> None:
+            if trainer.progress.global_step == step:
+                raise RuntimeError("training blew up")
+
+    return FailAt()
+
+
 def run(ctx: Any, out: Path, overrides: list[str]) -> dict[str, Any]:
-    """Sync reference, gated async run, and two failing async runs; returns observations."""
-    from veoptim.checkpoint import latest_complete
+    """Sync reference, gated async run, two failing async runs and a failing training run
+    with a save in flight; returns observations."""
+    from veoptim.checkpoint import latest_complete, step_name
     from veoptim.errors import CheckpointError
 
     gate = WriteGate()
@@ -137,4 +150,28 @@ def run(ctx: Any, out: Path, overrides: list[str]) -> dict[str, Any]:
             "raised_at_step": trainer.progress.global_step,
             "latest": latest_complete(run_dir / "checkpoints"),
         }
+
+    # Training fails at step 3 with the step-2 save in flight: it is abandoned, not
+    # published; the next run in that directory saves normally and removes its debris.
+    gate.arm(None)
+    run_dir = out / "abandon"
+    no_end = [*base, "checkpoint.save_at_end=false", f"run.dir={run_dir}"]
+    trainer = _trainer(ctx, [*no_end, "checkpoint.async_save=true"], [_fail_at(3)])
+    try:
+        trainer.train()
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    root = trainer.checkpointer.root
+    abandoned = {
+        "raised": raised,
+        "latest": latest_complete(root),
+        "step_2_exists": (root / step_name(2)).exists(),
+    }
+    _trainer(ctx, [*no_end, "checkpoint.save_steps=1", "train.stop_at_step=1"], []).train()
+    abandoned["latest_after"] = latest_complete(root)
+    abandoned["versions_after"] = sorted(
+        p.name.split(".")[0] for p in (root / ".versions").iterdir()
+    )
+    result["abandon"] = abandoned
     return result
