@@ -407,16 +407,28 @@ def read_link(root: Path, name: str) -> str | None:
     return version_id
 
 
-def published_names(root: Path) -> dict[str, str]:
-    """Every valid name link in ``root`` -> its version id (malformed links are skipped)."""
-    out: dict[str, str] = {}
+def _names_in(root: Path) -> list[str]:
+    """The entries of ``root`` that can be names, sorted (none if ``root`` does not exist)."""
     try:
         entries = sorted(os.listdir(root))
     except FileNotFoundError:
-        return out
-    for entry in entries:
+        return []
+    return [entry for entry in entries if _is_name(entry)]
+
+
+def _is_name(entry: str) -> bool:
+    try:
+        validate_name(entry)
+    except CheckpointError:
+        return False
+    return True
+
+
+def published_names(root: Path) -> dict[str, str]:
+    """Every valid name link in ``root`` -> its version id (malformed links are skipped)."""
+    out: dict[str, str] = {}
+    for entry in _names_in(root):
         try:
-            validate_name(entry)
             version_id = read_link(Path(root), entry)
         except (CheckpointError, OSError):
             continue
@@ -521,15 +533,7 @@ def newest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> tuple[str, Path]
     complete once, here)."""
     root = Path(root)
     candidates: list[tuple[tuple[int, int, int], str]] = []
-    try:
-        entries = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return None
-    for entry in entries:
-        try:
-            validate_name(entry)
-        except CheckpointError:
-            continue
+    for entry in _names_in(root):
         try:
             version_id = read_link(root, entry)
             path = version_dir(root, version_id) if version_id else root / entry
