@@ -68,7 +68,7 @@ from veoptim.checkpoint.publish import (
     fire,
 )
 from veoptim.checkpoint.versions import KIND_CHECKPOINT, latest_complete, resolve_agreed
-from veoptim.distributed.agreement import agree, on_rank0, rank, world_size
+from veoptim.distributed.agreement import agreed, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 
 log = logging.getLogger(__name__)
@@ -285,32 +285,18 @@ class Checkpointer:
             return self._load(components, path, exact)
 
     def _load(self, components: Components, path: Path, exact: bool) -> int:
-        staged: dict[str, Staged] = {}
-        step, metadata = 0, None
-        outcome: bool | BaseException = True
-        try:
+        with agreed(f"validating checkpoint {path}", self.group):
             staged, step, metadata = self._stage(components, path, exact)
             fire(self.fault_hook, PHASE_VALIDATE)
-        except Exception as exc:
-            outcome = exc
-        agree(outcome, f"validating checkpoint {path}", self.group)
-        outcome = True
-        try:
+        with agreed(f"reading checkpoint {path}", self.group):
             self._read(staged, path, metadata)
             fire(self.fault_hook, PHASE_READ)
-        except Exception as exc:
-            outcome = exc
-        agree(outcome, f"reading checkpoint {path}", self.group)
-        outcome = True
         try:
-            fire(self.fault_hook, PHASE_APPLY)
-            for name, loaded in staged.items():
-                loaded.install()
-                fire(self.fault_hook, f"{PHASE_APPLY}:{name}")
-        except Exception as exc:
-            outcome = exc
-        try:
-            agree(outcome, f"applying checkpoint {path}", self.group)
+            with agreed(f"applying checkpoint {path}", self.group):
+                fire(self.fault_hook, PHASE_APPLY)
+                for name, loaded in staged.items():
+                    loaded.install()
+                    fire(self.fault_hook, f"{PHASE_APPLY}:{name}")
         except CheckpointError as exc:
             raise LiveStateInvalidError(
                 f"{exc} The live state may now be partly loaded and is not valid: this run "

@@ -90,7 +90,13 @@ from veoptim.checkpoint.versions import (
     versions_dir,
     write_manifest,
 )
-from veoptim.distributed.agreement import agree, broadcast_from_rank0, rank, world_size
+from veoptim.distributed.agreement import (
+    agree,
+    agreed,
+    broadcast_from_rank0,
+    rank,
+    world_size,
+)
 from veoptim.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -294,15 +300,12 @@ class PendingVersion:
         """A caller's stage of the write (gathering state, creating a writer, ...) on every
         rank, ending in agreement: if any rank fails, the version is removed and every rank
         raises the same ``CheckpointError``, so no rank goes on into a collective alone."""
-        outcome: bool | BaseException = True
         try:
-            yield
-        except Exception as exc:
-            outcome = exc
-        try:
-            self._agree(outcome, f"checkpoint {self.name!r} {what}")
+            with agreed(f"checkpoint {self.name!r} {what}", self.publisher.group):
+                yield
         except CheckpointError:
             self._finished = True
+            self._remove()
             raise
 
     def write_files(self, files: Mapping[Path, bytes]) -> None:

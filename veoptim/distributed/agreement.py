@@ -12,7 +12,8 @@ only if this process failed.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from veoptim.errors import CheckpointError
@@ -93,6 +94,20 @@ def agree(ok: bool | BaseException, what: str, group: Any = None) -> None:
     ]
     if failures:
         raise CheckpointError(_format(what, failures, world)) from chained
+
+
+@contextmanager
+def agreed(what: str, group: Any = None) -> Iterator[None]:
+    """Run the block on every rank of ``group``, then :func:`agree` on its outcome: an
+    exception in the block is this rank's failure, and every rank leaves with the same
+    ``CheckpointError`` if any rank failed (a ``KeyboardInterrupt`` or ``SystemExit``
+    passes through unagreed: the process is stopping)."""
+    outcome: bool | BaseException = True
+    try:
+        yield
+    except Exception as exc:
+        outcome = exc
+    agree(outcome, what, group)
 
 
 def broadcast_from_rank0(value: Any, group: Any = None) -> Any:
