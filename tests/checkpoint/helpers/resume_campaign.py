@@ -30,21 +30,20 @@ DENSE = {1: ("model=tiny_dense", "parallel=single"), 2: ("model=tiny_dense", "pa
          4: ("model=tiny_dense", "parallel=fsdp")}  # fmt: skip
 MOE_4 = ("model=tiny_moe", "parallel=fsdp_ep2")
 MOE_NO_EP = {1: ("model=tiny_moe", "parallel=single"), 2: ("model=tiny_moe", "parallel=fsdp")}
-#: (world size, model kind, optimizer, model.dtype): every optimizer type and every world size,
-#: each more than once, not their full product (a resume's exactness does not depend on the
-#: pair: the optimizer's state and the rank's shards are checked independently). BF16 params
-#: make the FP32 masters carry extra bits. full_fp32_adamw on 4 and 2 dense ranks and 4 MoE
-#: ranks are the resharding sources; the negative controls run on 2 dense and 4 MoE ranks.
+#: (world size, model kind, optimizer, model.dtype): every optimizer and every world size
+#: at least once, not their product (a resume's exactness does not depend on the pair: the
+#: optimizer's state and the rank's shards are checked independently). full_fp32_adamw on
+#: 4 and 2 dense ranks and 4 MoE ranks are the resharding sources (the negative controls
+#: run on 2 dense and 4 MoE ranks); then plain AdamW on one process, FP32 masters of BF16
+#: params on 2 dense ranks and under expert parallelism, host offload on 4 dense ranks.
 VARIANTS = (
     (4, "dense", "full_fp32_adamw", "bf16"),
-    (4, "dense", "cpu_offload_adamw", "fp32"),
     (2, "dense", "full_fp32_adamw", "bf16"),
-    (2, "dense", "master_fp32_adamw", "bf16"),
-    (1, "dense", "adamw", "fp32"),
-    (1, "dense", "master_fp32_adamw", "bf16"),
     (4, "moe", "full_fp32_adamw", "bf16"),
+    (1, "dense", "adamw", "fp32"),
+    (2, "dense", "master_fp32_adamw", "bf16"),
     (4, "moe", "master_fp32_adamw", "bf16"),
-    (4, "moe", "cpu_offload_adamw", "fp32"),
+    (4, "dense", "cpu_offload_adamw", "fp32"),
 )
 NEGATIVE_OPTIMIZER = ("full_fp32_adamw", "bf16")
 WORLDS = (4, 2, 1)
