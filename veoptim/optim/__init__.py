@@ -2,9 +2,9 @@
 
 from veoptim.optim.base import dcp_state_init
 from veoptim.optim.builder import SUPPORTED_OPTIMIZERS, build_optimizer, build_param_groups
+from veoptim.optim.checks import expected_optimizer_state
 from veoptim.optim.exact_adamw import CPUOffloadAdamW, ExactAdamW, FullFP32AdamW, MasterFP32AdamW
 from veoptim.optim.schedulers import SUPPORTED_SCHEDULERS, WarmupScheduler, build_scheduler
-from veoptim.optim.state_check import expected_optimizer_state
 from veoptim.optim.state_keys import (
     CPU_OFFLOAD,
     EXACT_STATE_KEYS,

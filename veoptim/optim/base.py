@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from veoptim.errors import CheckpointError
-from veoptim.optim.state_check import (
+from veoptim.optim.checks import (
     ExpectedState,
     check_entry,
     check_groups,

@@ -30,12 +30,19 @@ from torch.optim import Optimizer
 from veoptim.errors import ConfigError
 from veoptim.optim import kernels
 from veoptim.optim.base import ValidatedOptimizerMixin
+from veoptim.optim.checks import (
+    ExpectedState,
+    check_bool,
+    check_hyper,
+    check_int,
+    check_moment_dtype,
+    check_positive_int,
+)
 from veoptim.optim.dtensor_util import global_flat_offset, local, wrap_like
 from veoptim.optim.kernels.eager import DEFAULT_FUSED_CHUNK, Hyper, Scratch, UpdateBatch
 from veoptim.optim.offload import StagingBuffer, offload_update_
 from veoptim.optim.param_edits import EditFollowingMixin, Mark, log_rederived, mark_of
 from veoptim.optim.rounding import noise_key
-from veoptim.optim.state_check import ExpectedState
 from veoptim.optim.state_keys import (
     CPU_OFFLOAD,
     EXP_AVG,
@@ -45,13 +52,6 @@ from veoptim.optim.state_keys import (
     STEP,
     STEP_DTYPE,
     SUPPORTED_PARAM_DTYPES,
-)
-from veoptim.optim.validation import (
-    check_bool,
-    check_hyper,
-    check_int,
-    check_moment_dtype,
-    check_positive_int,
 )
 
 _HOST = torch.device("cpu")

@@ -17,10 +17,9 @@ import torch
 
 from veoptim.errors import ConfigError
 from veoptim.optim.base import ValidatedOptimizerMixin
+from veoptim.optim.checks import ExpectedState, check_bool, check_lr
 from veoptim.optim.dtensor_util import local
-from veoptim.optim.state_check import ExpectedState
 from veoptim.optim.state_keys import EXP_AVG, EXP_AVG_SQ, STEP, STEP_DTYPE
-from veoptim.optim.validation import check_bool, check_lr
 
 #: Boolean options of torch.optim.AdamW; torch itself accepts any truthy value.
 _BOOL_OPTIONS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")

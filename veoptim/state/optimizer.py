@@ -32,8 +32,8 @@ from veoptim.distributed.layout import LayoutMetadata
 from veoptim.errors import CheckpointError
 from veoptim.optim import dcp_state_init
 from veoptim.optim.base import ValidatedOptimizerMixin
+from veoptim.optim.checks import expected_optimizer_state
 from veoptim.optim.dtensor_util import local, wrap_like
-from veoptim.optim.state_check import expected_optimizer_state
 
 PARAM_GROUPS = "param_groups"
 #: Parameters the optimizer holds but keeps no state for (frozen before their first step).
