@@ -51,12 +51,18 @@ def test_eager_and_compiled_are_what_they_say():
     assert isinstance(_select("compiled", _batch(torch.bfloat16)), CompiledKernel)
 
 
-def test_offloaded_batches_get_the_host_kernel_or_the_chunk_loop():
+def test_offloaded_batches_get_the_host_kernel_or_the_eager_one_for_the_chunk_loop():
     if native_kernel() is None:
         pytest.skip("no C compiler for the native kernel on this machine")
-    host = kernels.select_host("auto", _batch(torch.bfloat16), stochastic_rounding=False)
-    assert isinstance(host, NativeKernel)
-    assert kernels.select_host("eager", _batch(torch.bfloat16), stochastic_rounding=False) is None
+
+    def host(kernel: str, sr: bool = False) -> kernels.Kernel:
+        return kernels.select_host(
+            kernel, _batch(torch.bfloat16), stochastic_rounding=sr, scratch=Scratch(), chunk=64
+        )
+
+    assert isinstance(host("auto"), NativeKernel) and host("auto").one_pass
+    for eager in (host("eager"), host("auto", sr=True)):  # stochastic rounding: eager only
+        assert isinstance(eager, EagerKernel) and not eager.one_pass
 
 
 def test_an_unknown_kernel_is_refused_naming_the_choices():

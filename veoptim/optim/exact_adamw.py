@@ -300,8 +300,9 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
             staging = self._staging.get(device)
             if staging is None:
                 staging = self._staging[device] = StagingBuffer(self.chunk_size, device)
-            host = kernels.select_host(self.kernel, batch, stochastic_rounding=sr)
-            offload_update_(batch, hp, staging, self._host_scratch, sr, host)
+            host = kernels.select_host(self.kernel, batch, stochastic_rounding=sr,
+                                       scratch=self._host_scratch, chunk=self.fused_chunk_size)  # fmt: skip
+            offload_update_(batch, hp, staging, host)
         else:
             kernel = kernels.select(self.kernel, batch, stochastic_rounding=sr,
                                     scratch=self._scratch, chunk=self.fused_chunk_size)  # fmt: skip

@@ -24,9 +24,8 @@ from __future__ import annotations
 import torch
 
 from veoptim.distributed.device import Event, accelerator
-from veoptim.optim.kernels.eager import Hyper, Scratch, UpdateBatch, _widen, align_chunk
-from veoptim.optim.kernels.native import NativeKernel
-from veoptim.optim.rounding import write_back_
+from veoptim.optim.kernels import Hyper, Kernel, UpdateBatch
+from veoptim.optim.kernels.eager import align_chunk
 
 _SLOT_ITEMSIZE = 4  # widest supported parameter/gradient dtype (FP32)
 
@@ -101,18 +100,13 @@ class StagingBuffer:
             slot.wait()
 
 
-def offload_update_(
-    batch: UpdateBatch,
-    hp: Hyper,
-    staging: StagingBuffer,
-    scratch: Scratch,
-    sr: bool,
-    native: NativeKernel | None = None,
-) -> None:
-    """AdamW update of host-resident masters/moments from device gradients, chunk by chunk
-    (by ``native``, the one-pass host kernel, where given: bitwise the same)."""
-    if native is not None and staging.device.type == "cpu":
-        native.update_(batch, hp)  # nothing to stage; chunks are aligned, so one call is the same
+def offload_update_(batch: UpdateBatch, hp: Hyper, staging: StagingBuffer, kernel: Kernel) -> None:
+    """AdamW update of host-resident masters/moments from device gradients, chunk by chunk,
+    each chunk by ``kernel`` (``kernels.select_host``'s); a one-pass kernel on a CPU
+    "device" takes the whole batch (nothing to stage; the chunks are aligned, so it is the
+    same arithmetic)."""
+    if kernel.one_pass and staging.device.type == "cpu":
+        kernel.update_(batch, hp)
         return
     chunk = staging.chunk
     jobs = [
@@ -126,7 +120,6 @@ def offload_update_(
     # A CPU "device": nothing to overlap, so widen while fetching and write the parameter in place.
     direct = staging.device.type == "cpu"
     fetch_dtype = torch.float32 if direct else None
-    kwargs = hp.kernel_kwargs()
     i0, s0, e0 = jobs[0]
     staging.fetch(0, batch.grads[i0][s0:e0], fetch_dtype)
     for k, (i, start, end) in enumerate(jobs):
@@ -137,28 +130,8 @@ def offload_update_(
         grad = staging.fetched(k, n, fetch_dtype or batch.grads[i].dtype)
         param = batch.outs[i]
         assert param is not None, "an offloaded master never aliases its device parameter"
-        if native is not None:  # widens, updates and narrows into the write-back slot at once
-            out = staging.out(n, param.dtype)
-            native.update_(_host_segment(batch, i, start, end, grad, out), hp)
-            staging.push(param[start:end], out)
-            continue
-        grad = _widen(scratch, "grad", [grad], n)
-        master = batch.masters[i][start:end]
-        m_store = batch.exp_avgs[i][start:end]
-        v_store = batch.exp_avg_sqs[i][start:end]
-        m32 = _widen(scratch, "exp_avg", [m_store], n)
-        v32 = _widen(scratch, "exp_avg_sq", [v_store], n)
-        torch._fused_adamw_([master], grad, m32, v32, [], [batch.steps[i]], **kwargs)
-        if m32[0] is not m_store:
-            torch._foreach_copy_([m_store, v_store], [m32[0], v32[0]])
         out = param[start:end] if direct else staging.out(n, param.dtype)
-        write_back_(
-            [out],
-            [master],
-            stochastic=sr,
-            keys=[batch.sr_keys[i]] if sr else None,
-            first_indices=[batch.sr_offsets[i] + start] if sr else None,
-        )
+        kernel.update_(_host_segment(batch, i, start, end, grad, out), hp)
         if not direct:
             staging.push(param[start:end], out)
 
@@ -166,7 +139,9 @@ def offload_update_(
 def _host_segment(
     batch: UpdateBatch, i: int, start: int, end: int, grad: torch.Tensor, out: torch.Tensor
 ) -> UpdateBatch:
-    """Elements ``[start, end)`` of tensor ``i``: host state, staged gradient and output."""
+    """Elements ``[start, end)`` of tensor ``i``: host state, staged gradient and output
+    (with stochastic rounding, the noise of those elements: same key, offset by ``start``)."""
+    rounding = bool(batch.sr_keys)
     return UpdateBatch(
         masters=[batch.masters[i][start:end]],
         grads=[grad],
@@ -174,6 +149,6 @@ def _host_segment(
         exp_avg_sqs=[batch.exp_avg_sqs[i][start:end]],
         steps=[batch.steps[i]],
         outs=[out],
-        sr_keys=[],
-        sr_offsets=[],
+        sr_keys=[batch.sr_keys[i]] if rounding else [],
+        sr_offsets=[batch.sr_offsets[i] + start] if rounding else [],
     )

@@ -14,7 +14,7 @@ batch types of ``eager.py``:
 ``kernel=`` of the exact optimizers: ``auto`` (native on CPU where it builds and there is
 something to convert, compiled on cuda/npu, else eager), ``eager``, ``compiled``. Offloaded
 groups stage device gradients to the host chunk by chunk (``optim/offload.py``); their host
-update is :func:`select_host`'s. A new kernel is one module with an ``update_`` and its
+update is :func:`select_host`'s, chunk by chunk. A new kernel is one module with an ``update_`` and its
 line in :func:`select`.
 """
 
@@ -41,6 +41,10 @@ def check_kernel(kernel: object) -> str:
 
 
 class Kernel(Protocol):
+    #: Widens and narrows its operands in the same pass as the update: an offloaded batch
+    #: on a CPU "device" goes to it whole, with nothing to stage.
+    one_pass: bool
+
     def update_(self, batch: UpdateBatch, hp: Hyper) -> None:
         """One AdamW step of every tensor of ``batch`` (steps already incremented)."""
 
@@ -52,6 +56,7 @@ class EagerKernel:
     scratch: Scratch
     chunk: int
     stochastic_rounding: bool
+    one_pass = False
 
     def update_(self, batch: UpdateBatch, hp: Hyper) -> None:
         adamw_update_(batch, hp, self.scratch, self.chunk, self.stochastic_rounding)
@@ -63,6 +68,7 @@ class CompiledKernel:
 
     device: torch.device
     fallback: EagerKernel
+    one_pass = False
 
     def update_(self, batch: UpdateBatch, hp: Hyper) -> None:
         if not compiled_update_(batch, hp, self.device):
@@ -85,11 +91,14 @@ def select(
 
 
 def select_host(
-    kernel: str, batch: UpdateBatch, *, stochastic_rounding: bool
-) -> NativeKernel | None:
-    """The one-pass host kernel for an offloaded batch (host masters and moments, gradients
-    staged from the device), or None: offload.py's chunk loop with the eager update."""
-    return native_for(kernel, batch, stochastic_rounding, offloaded=True)
+    kernel: str, batch: UpdateBatch, *, stochastic_rounding: bool, scratch: Scratch, chunk: int
+) -> Kernel:
+    """The host kernel of an offloaded batch (host masters and moments, gradients staged
+    from the device): the one-pass native kernel where it runs, else the eager one on the
+    host's ``scratch``; ``optim/offload.py`` feeds it the staged chunks."""
+    sr = stochastic_rounding
+    native = native_for(kernel, batch, sr, offloaded=True)
+    return native if native is not None else EagerKernel(scratch, chunk, sr)
 
 
 __all__ = [

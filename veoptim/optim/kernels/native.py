@@ -165,6 +165,8 @@ class _Tensor(ctypes.Structure):
 class NativeKernel:
     """The loaded library: one call updates a whole batch on torch's OpenMP threads."""
 
+    one_pass = True
+
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         self._fn = lib.veoptim_adamw
