@@ -189,9 +189,9 @@ TABLE: tuple[LayoutSpec, ...] = (
         {"response": "completion"},
     ),
 )
-SPECS: dict[str, LayoutSpec] = {spec.name: spec for spec in TABLE}
+LAYOUT_BY_NAME: dict[str, LayoutSpec] = {spec.name: spec for spec in TABLE}
 #: The values of ``data.layout`` besides ``auto``.
-LAYOUTS: tuple[str, ...] = tuple(SPECS)
+LAYOUTS: tuple[str, ...] = tuple(LAYOUT_BY_NAME)
 #: Canonical columns of each layout: required ones first, then optional ones.
 REQUIRED: dict[str, tuple[str, ...]] = {spec.name: spec.required for spec in TABLE}
 OPTIONAL: dict[str, tuple[str, ...]] = {spec.name: spec.optional for spec in TABLE}
@@ -260,7 +260,7 @@ def resolve_layout(
                 f"data.layout to one of {list(LAYOUTS)} as well."
             )
         layout, renames = detect_layout(column_names, source, noun)
-    spec = SPECS[layout]
+    spec = LAYOUT_BY_NAME[layout]
     known = spec.renamable
     unknown = sorted(set(renames) - set(known))
     if unknown:
@@ -283,4 +283,4 @@ def resolve_layout(
 
 def row_messages(layout: Layout, row: Mapping[str, Any], where: str) -> list[Message]:
     """The validated conversation of ``row`` (``where`` names it in errors)."""
-    return validate_messages(SPECS[layout.name].convert(layout, row, where), where)
+    return validate_messages(LAYOUT_BY_NAME[layout.name].convert(layout, row, where), where)
