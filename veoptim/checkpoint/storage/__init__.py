@@ -33,6 +33,7 @@ import errno
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -51,6 +52,11 @@ if TYPE_CHECKING:
 # need the durability below, and start without paying for torch.
 
 log = logging.getLogger(__name__)
+
+# DCP warns on every single-process save/load that it "assumes" one process: intended here.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
 #: Byte layouts of the DCP shards (checkpoint.format): ``raw`` (veoptim's, fast; read by
 #: veoptim, converted by ``veoptim-export --format dcp``) or ``dcp`` (DCP's own

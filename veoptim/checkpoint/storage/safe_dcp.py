@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,6 @@ from torch.futures import Future
 from veoptim.checkpoint.storage.raw_format import DTYPES, RawChunk, check_storage
 from veoptim.checkpoint.storage.raw_reader import read_raw_items
 from veoptim.errors import CheckpointError
-
-# DCP warns on every single-process save/load that it "assumes" one process: intended here.
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-)
 
 #: (module, name) pairs the metadata unpickler may resolve; everything else is refused.
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
