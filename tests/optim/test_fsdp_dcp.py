@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -26,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from tests.distributed.spawn import own_process_group
+from tests.distributed.spawn import free_port, own_process_group, start_ranks
 from veoptim.config.schema import OptimConfig
 from veoptim.optim import MASTER_WEIGHT, STEP, build_optimizer, dcp_state_init
 
@@ -183,11 +181,7 @@ def _run_phase(rank: int, out: str, phase: str) -> None:
 
 
 def _spawn(out: Path, phase: str) -> dict[str, bool]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(port, str(out), phase), nprocs=WORLD, join=True)
+    start_ranks(_worker, (free_port(), str(out), phase), WORLD)
     results = [json.loads(Path(out, f"{phase}.rank{r}.json").read_text()) for r in range(WORLD)]
     return {k: all(r[k] for r in results) for k in results[0]}
 

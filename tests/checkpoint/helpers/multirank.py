@@ -134,10 +134,10 @@ def _scenarios(rank: int, root: str, out_dir: str) -> None:
 @functools.cache
 def results() -> dict[int, dict[str, Any]]:
     """Run the spawn once; rank -> what that rank observed."""
-    import torch.multiprocessing as mp
+    from tests.distributed.spawn import start_ranks
 
     base = Path(tempfile.mkdtemp(prefix="veoptim-multirank-"))
     root, out = base / "ckpts", base / "out"
     out.mkdir()
-    mp.spawn(worker, args=(str(base / "init"), str(root), str(out)), nprocs=WORLD, join=True)
+    start_ranks(worker, (str(base / "init"), str(root), str(out)), WORLD)
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}

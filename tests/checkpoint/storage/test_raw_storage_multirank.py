@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.checkpoint.helpers import raw_dtensor
+from tests.distributed.spawn import start_ranks
 from veoptim.checkpoint.storage.raw_format import RawChunk
 from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 
@@ -19,13 +20,11 @@ pytestmark = pytest.mark.multirank
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[Path, dict]:
-    import torch.multiprocessing as mp
-
     base = tmp_path_factory.mktemp("raw_dtensor")
     ckpt, out = base / "ckpt", base / "out"
     out.mkdir()
     args = (str(base / "init"), str(ckpt), str(out))
-    mp.spawn(raw_dtensor.worker, args=args, nprocs=raw_dtensor.WORLD, join=True)
+    start_ranks(raw_dtensor.worker, args, raw_dtensor.WORLD)
     ranks = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(raw_dtensor.WORLD)}
     return ckpt, ranks
 
