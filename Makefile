@@ -24,9 +24,9 @@ demo: setup
 	$(PY) -m tasks.sft checkpoint.overwrite=true
 	$(PY) -m scripts.demo_generate runs/sft/exports/hf_final
 
-# Two pytest workers, one test module at a time each (tests/conftest.py groups and orders them).
+# Two pytest workers, each taking whole test modules (tests/conftest.py orders and groups them).
 test: setup lint
-	$(PY) -m pytest -q --durations=25 -n 2 --dist loadgroup --no-loadscope-reorder
+	$(PY) -m pytest -q --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow"

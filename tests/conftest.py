@@ -85,7 +85,7 @@ SLOW_MODULES = (
 
 
 #: Modules that share one costly setup through the session (a cache or the session's temp
-#: dir) run in one worker of ``make test``'s parallel run, so the setup runs once.
+#: dir): ``make test``'s parallel run gives them to one worker, so the setup runs once.
 SHARED_SETUP = {
     "checkpoint/test_reshard.py": "resume campaign",
     "checkpoint/test_resume_equivalence.py": "resume campaign",
@@ -93,32 +93,46 @@ SHARED_SETUP = {
     "checkpoint/test_publish_multirank.py": "multirank publication",
 }
 
-#: Run first: the docs walkthrough is the longest single test, and the other workers fill
-#: the time it takes (``make test`` runs modules in parallel, longest first).
+#: Queued first: the docs walkthrough is the longest single test, and the other worker
+#: works through the rest meanwhile.
 FIRST = "test_docs_walkthrough.py"
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the tests of :data:`SLOW_MODULES` ``slow``; a listed module that no longer
     exists is an error, so a rename cannot move a slow module into the fast tier unseen.
 
-    For ``make test``'s parallel run (``pytest -n 2 --dist loadgroup``) each module is one
-    unit of work (its module-scoped fixtures run once), modules in :data:`SHARED_SETUP`
-    share theirs, and the slow tier is queued first, :data:`FIRST` at its head, so the
-    long modules start early and the short ones fill in at the end.
+    The slow tier is queued first, :data:`FIRST` at its head, so that in ``make test``'s
+    parallel run the long modules start early and the short ones fill in at the end.
     """
     missing = [m for m in [*SLOW_MODULES, *SHARED_SETUP] if not (REPO / "tests" / m).is_file()]
     if missing:
         raise pytest.UsageError(f"tests/conftest.py lists missing test files: {missing}")
     slow = {REPO / "tests" / m for m in SLOW_MODULES}
     for item in items:
-        module = item.path.relative_to(REPO / "tests").as_posix()
-        item.add_marker(pytest.mark.xdist_group(SHARED_SETUP.get(module, module)))
         if item.path in slow:
             item.add_marker(pytest.mark.slow)
     first = REPO / "tests" / FIRST
     items.sort(key=lambda item: (item.path != first, item.path not in slow))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile`` (``make test``), with the modules of :data:`SHARED_SETUP` as one unit.
+
+    Each module goes to one worker whole, so its module-scoped fixtures run once; modules
+    that share a session-wide setup go together.
+    """
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SHARED_SETUP.get(module.removeprefix("tests/"), module)
+
+    return ModuleScheduling(config, log)
 
 
 def compose_sft(overrides: list[str] | None = None) -> DictConfig:
