@@ -74,6 +74,7 @@ SLOW_MODULES = (
     "tasks/test_cli.py",
     "tasks/test_override_errors.py",
     "tasks/test_sft_run.py",
+    "test_conftest.py",
     "test_docs_walkthrough.py",
     "test_log_format.py",
     "test_packaging.py",
@@ -102,8 +103,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark the tests of :data:`SLOW_MODULES` ``slow``; a listed module that no longer
     exists is an error, so a rename cannot move a slow module into the fast tier unseen.
 
-    The slow tier is queued first, :data:`FIRST` at its head, so that in ``make test``'s
-    parallel run the long modules start early and the short ones fill in at the end.
+    The slow tier is queued first, :data:`FIRST` at its head (the order within each tier
+    unchanged), so that in ``make test``'s parallel run the long modules start early and
+    the short ones fill in at the end.
     """
     missing = [m for m in [*SLOW_MODULES, *SHARED_SETUP] if not (REPO / "tests" / m).is_file()]
     if missing:
@@ -129,10 +131,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return SHARED_SETUP.get(module.removeprefix("tests/"), module)
+            return work_unit(nodeid)
 
     return ModuleScheduling(config, log)
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of ``make test``'s parallel run a test belongs to: its module, or the
+    shared name of :data:`SHARED_SETUP`'s modules."""
+    module = nodeid.split("::", 1)[0]
+    return SHARED_SETUP.get(module.removeprefix("tests/"), module)
 
 
 def compose_sft(overrides: list[str] | None = None) -> DictConfig:

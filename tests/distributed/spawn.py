@@ -29,8 +29,17 @@ from veoptim.distributed.context import (
 
 #: Imported once by the fork server that starts every rank, so a rank is a fork of a process
 #: that has them loaded rather than a fresh interpreter importing torch and the trainer again
-#: (several seconds of CPU per rank, the largest cost of a multi-rank test on 2 cores).
-PRELOAD = ["torch", "torch.distributed.checkpoint", "veoptim.trainer", "tests.distributed.spawn"]
+#: (several seconds of CPU per rank, the largest cost of a multi-rank test on 2 cores). A rank
+#: still starts with no state of any earlier rank or test: the server only imports.
+PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint",
+    "veoptim.trainer",
+    "veoptim.objectives",
+    "veoptim.lora",
+    "pytest",
+    "tests.distributed.spawn",
+]
 
 RESULT_FILE = "result.rank{rank}.json"
 ERROR_FILE = "error.rank{rank}.txt"
