@@ -12,6 +12,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -122,6 +123,13 @@ def create_app(service: Service) -> FastAPI:
 
     def future(f: Any) -> dict[str, Any]:
         return {"request_id": f.id, "model_id": f.model_id}
+
+    def submit_in_order(request: Request, tenant_id: int, model: Any, seq: int, kind: str,
+                        prepare: Callable[[], Any]) -> dict[str, Any]:  # fmt: skip
+        """Queue ``model``'s request ``seq``; the SDK's retry of it carries the same
+        ``X-Idempotency-Key`` and gets the first submission's future back."""
+        key = request.headers.get("x-idempotency-key", "")
+        return future(engine.submit(tenant_id, model, seq, kind, prepare, key))
 
     # ------------------------------------------------------------------ session
     @app.get(f"{API}/healthz")
@@ -242,10 +250,8 @@ def create_app(service: Service) -> FastAPI:
         if fb.seq_id < 1:
             raise ServiceError(f"seq_id must be >= 1 (the SDK counts from 1), got {fb.seq_id}.")
         kind = "forward" if fb.forward_only else "forward_backward"
-        f = engine.submit(tenant_id, model, fb.seq_id, kind,
-                          lambda: backend.prepare_forward_backward(model, fb),
-                          request.headers.get("x-idempotency-key", ""))  # fmt: skip
-        return future(f)
+        return submit_in_order(request, tenant_id, model, fb.seq_id, kind,
+                               lambda: backend.prepare_forward_backward(model, fb))  # fmt: skip
 
     @app.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
@@ -258,10 +264,8 @@ def create_app(service: Service) -> FastAPI:
             if "optimizer_params" in body:
                 raise ServiceError("optimizer_params: only adam_params (AdamParams) are supported.")
             raise ServiceError(f"adam_params must be an object of AdamParams, got {adam!r}.")
-        f = engine.submit(tenant_id, model, seq, "optim_step",
-                          lambda: backend.prepare_optim_step(model, adam),
-                          request.headers.get("x-idempotency-key", ""))  # fmt: skip
-        return future(f)
+        return submit_in_order(request, tenant_id, model, seq, "optim_step",
+                               lambda: backend.prepare_optim_step(model, adam))  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
     async def save(request: Request, kind: str) -> dict[str, Any]:
@@ -272,11 +276,9 @@ def create_app(service: Service) -> FastAPI:
         name = field(body, "path", str, required=False)
         overwrite = bool(body.get("overwrite", False))
         sampling_seq = body.get("sampling_session_seq_id")
-        f = engine.submit(tenant_id, model, seq, "save_weights",
-                          lambda: backend.prepare_save(model, name, seq, kind, overwrite,
-                                                       sampling_seq),
-                          request.headers.get("x-idempotency-key", ""))  # fmt: skip
-        return future(f)
+        return submit_in_order(request, tenant_id, model, seq, "save_weights",
+                               lambda: backend.prepare_save(model, name, seq, kind, overwrite,
+                                                            sampling_seq))  # fmt: skip
 
     @app.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
@@ -304,10 +306,8 @@ def create_app(service: Service) -> FastAPI:
             return future(f)
         model = model_of(request, body, tenant_id)
         seq = seq_of(request, body)
-        f = engine.submit(tenant_id, model, seq, "load_weights",
-                          lambda: backend.prepare_load(model, path, optimizer),
-                          request.headers.get("x-idempotency-key", ""))  # fmt: skip
-        return future(f)
+        return submit_in_order(request, tenant_id, model, seq, "load_weights",
+                               lambda: backend.prepare_load(model, path, optimizer))  # fmt: skip
 
     # ------------------------------------------------------------------ sampling
     @app.post(f"{API}/create_sampling_session")
