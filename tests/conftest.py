@@ -45,6 +45,7 @@ SLOW_MODULES = (
     "distributed/test_npu_path.py",
     "distributed/test_rank0_decisions.py",
     "distributed/test_sharded_load.py",
+    "distributed/test_spawn.py",
     "distributed/test_torchrun_sft.py",
     "distributed/test_trainer_normaliser.py",
     "export/test_export_cli.py",

@@ -123,13 +123,21 @@ def start_ranks(
 ) -> mp.ProcessContext | None:
     """``torch.multiprocessing.spawn``, but each rank forked from a server with :data:`PRELOAD`.
 
-    ``fn(rank, *args)`` must be importable by name, as for ``spawn``. A rank starts with the
-    environment the fork server had when it started (its first use in this process), so
-    pass a rank whatever it needs through ``args``, not through ``os.environ``.
+    ``fn(rank, *args)`` must be importable by name, as for ``spawn``. The fork server keeps
+    the environment it started with, so each rank is given this process's environment as it
+    is at this call (as a spawned rank would inherit it).
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.set_forkserver_preload(PRELOAD)
-    return mp.start_processes(fn, args, nprocs, join=join, start_method="forkserver")
+    return mp.start_processes(
+        _in_environment, (dict(os.environ), fn, args), nprocs, join=join, start_method="forkserver"
+    )
+
+
+def _in_environment(rank: int, env: dict[str, str], fn: Callable[..., None], args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    fn(rank, *args)
 
 
 def run_ranks(
