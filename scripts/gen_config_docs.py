@@ -14,7 +14,7 @@ from veoptim.service.config import ServeConfig
 HEADER = """# Config reference
 
 Generated from the config dataclasses (`veoptim/config/schema.py` and the SFT
-task's `veoptim/objectives/sft.py`) by `scripts/gen_config_docs.py`
+task's `veoptim/objectives/schema.py`) by `scripts/gen_config_docs.py`
 (`make docs`); a test fails when this page and the dataclasses disagree.
 Override any key on the command line: `python -m tasks.sft optim.lr=1e-4`.
 `tasks.dpo`, `tasks.multi_lora` and `tasks.serve` share every section and change the ones
@@ -50,7 +50,7 @@ def render() -> str:
         out += _table(cls, f"{name}.")
     out += _task_sections(
         "tasks.dpo",
-        "Its config (`veoptim/objectives/dpo.py`) replaces `data` and adds `dpo`.",
+        "Its config (`veoptim/objectives/schema.py`) replaces `data` and adds `dpo`.",
         DPOConfig,
     )
     out += _task_sections(

@@ -10,25 +10,23 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from veoptim.config import TrainerConfig, prefer_explicit, to_config
-from veoptim.distributed import DistContext, init_distributed, setup_logging
 from veoptim.errors import VeoptimError
-from veoptim.trainer import Callback, Metrics, Trainer
-from veoptim.trainer.dry_run import plan_run
+from veoptim.trainer import Callback, Metrics
 
 from .cli import task_command
 
-# The checkout's top-level tasks/ and callbacks/ ship as veoptim.tasks and veoptim.callbacks
-# (setup.py): no generic top-level name in a user's site-packages.
-if __package__ == "veoptim.tasks":
-    from veoptim.callbacks import standard_callbacks
-else:
-    from callbacks import standard_callbacks
+if TYPE_CHECKING:
+    from veoptim.distributed import DistContext
+    from veoptim.trainer import Trainer
+
+# Torch, the trainer and the callbacks are imported once the config is valid (in run_task),
+# so that a mistyped command line or --help is answered without loading them.
 
 log = logging.getLogger("veoptim")
 
@@ -53,6 +51,8 @@ def run_task(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, 
     config = to_config(cfg)
     if config.run.dry_run:  # every check of the startup, then the plan; no process group
         return dry_run(config, env)
+    from veoptim.distributed import init_distributed
+
     resolved = OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
     # The trainer lives only in _train's frame, so closing the context can free the process
     # groups it holds (see DistContext.close).
@@ -62,6 +62,8 @@ def run_task(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> dict[str, 
 
 def dry_run(config: TrainerConfig, env: Mapping[str, str] = os.environ) -> dict[str, float]:
     """``run.dry_run=true``: check the run on every rank (``plan_run``), rank 0 prints the plan."""
+    from veoptim.trainer.dry_run import plan_run
+
     plan = plan_run(config, world_size=int(env.get("WORLD_SIZE", "1")))
     if int(env.get("RANK", "0")) == 0:
         print("dry run: the config is valid and the data and model load; nothing was trained "
@@ -70,6 +72,16 @@ def dry_run(config: TrainerConfig, env: Mapping[str, str] = os.environ) -> dict[
 
 
 def _train(config: TrainerConfig, ctx: DistContext, resolved: Any) -> dict[str, float]:
+    from veoptim.distributed import setup_logging
+    from veoptim.trainer import Trainer
+
+    # The checkout's top-level callbacks/ ships as veoptim.callbacks (setup.py): no generic
+    # top-level name in a user's site-packages.
+    if __package__ == "veoptim.tasks":
+        from veoptim.callbacks import standard_callbacks
+    else:
+        from callbacks import standard_callbacks
+
     setup_logging(ctx, config.logging.level, config.logging.progress)
     losses: list[float] = []
     summary = _LossRecorder(losses)

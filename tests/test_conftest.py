@@ -18,9 +18,14 @@ def test_a_module_is_one_unit_and_modules_sharing_a_setup_are_one():
     assert work_unit(f"tests/{reshard}::t[dense_4to2]") == work_unit(f"tests/{equivalence}::t")
 
 
+#: Given fast first and the walkthrough last, so that the order collected is the conftest's.
+COLLECTED = ("test_import_rules.py", "test_packaging.py", "test_conftest.py", FIRST)
+
+
 def test_the_slow_tier_is_collected_first_with_the_walkthrough_at_its_head():
+    paths = [f"tests/{m}" for m in COLLECTED]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -29,6 +34,7 @@ def test_the_slow_tier_is_collected_first_with_the_walkthrough_at_its_head():
     assert proc.returncode == 0, proc.stderr[-2000:]
     modules = [line.split("::", 1)[0] for line in proc.stdout.splitlines() if "::" in line]
     order = list(dict.fromkeys(m.removeprefix("tests/") for m in modules))
+    assert sorted(order) == sorted(COLLECTED)
     assert order[0] == FIRST
     slow = [m in SLOW_MODULES for m in order]
     assert slow == sorted(slow, reverse=True)  # every slow module before every fast one

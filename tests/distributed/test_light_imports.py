@@ -2,7 +2,9 @@
 
 Checkpoint crash and reader subprocesses import ``veoptim.distributed.agreement``
 many times; pulling in torch, FSDP or DTensor there would cost seconds per process.
-Each check runs in a fresh interpreter, since this one has long imported torch.
+A task command answers ``--help`` or a mistyped key before torch loads (in about a
+second instead of six). Each check runs in a fresh interpreter, since this one has long
+imported torch.
 """
 
 from __future__ import annotations
@@ -31,6 +33,40 @@ def _imported_after(statement: str) -> list[str]:
 )
 def test_import_pulls_in_no_torch(statement: str) -> None:
     assert _imported_after(statement) == []
+
+
+def _task_command(task: str, *args: str) -> str:
+    """Run ``python -m tasks.<task> args`` in this interpreter up to its exit."""
+    return (
+        "import contextlib, io, runpy\n"
+        f"sys.argv = ['{task}', *{list(args)!r}]\n"
+        "out = io.StringIO()\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out), "
+        "contextlib.redirect_stderr(out):\n"
+        f"    runpy.run_module('tasks.{task}', run_name='__main__')\n"
+        "assert out.getvalue(), 'the command printed nothing'"
+    )
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import tasks.sft, tasks.dpo, veoptim.objectives, veoptim.trainer",
+        _task_command("sft", "--help"),
+        _task_command("sft", "optim.lrr=1e-3"),
+        _task_command("sft", "model.dtype=fp16"),
+        _task_command("dpo", "train.max_step=5"),
+    ],
+    ids=["import", "help", "unknown-key", "bad-value", "dpo-unknown-key"],
+)
+def test_a_task_command_answers_help_and_mistakes_without_torch(statement: str) -> None:
+    assert _imported_after(statement) == []
+
+
+def test_a_valid_task_command_goes_on_to_load_torch(tmp_path) -> None:
+    # the negative control: the same harness sees torch once the command gets past its checks
+    statement = _task_command("sft", "run.dry_run=true", f"run.dir={tmp_path}")
+    assert "torch" in _imported_after(statement)
 
 
 def test_package_names_still_import_on_first_use() -> None:

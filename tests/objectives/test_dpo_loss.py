@@ -9,7 +9,8 @@ import torch
 
 from veoptim.errors import ConfigError
 from veoptim.losses import sequence_logps
-from veoptim.objectives.dpo import DPOSection, check_dpo, preference_loss
+from veoptim.objectives.dpo import check_dpo, preference_loss
+from veoptim.objectives.schema import DPOSection
 
 #: Sequence log-probs of three pairs: policy chosen/rejected, reference chosen/rejected.
 PC = torch.tensor([-4.0, -9.5, -2.25], dtype=torch.float64)

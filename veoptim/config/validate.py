@@ -6,19 +6,19 @@ import importlib.util
 from pathlib import Path
 
 from veoptim.config.schema import TrainerConfig
-from veoptim.dtypes import DTYPES
+from veoptim.dtypes import DTYPE_NAMES
 from veoptim.errors import ConfigError
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "run.device": ("auto", "cpu", "cuda", "npu"),
-    "model.dtype": tuple(DTYPES),
+    "model.dtype": tuple(DTYPE_NAMES),
     "model.arch": ("qwen2", "qwen2_moe", "qwen3_moe"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "scheduler.name": ("constant", "linear", "cosine", "wsd"),
-    "parallel.param_dtype": tuple(DTYPES),
-    "parallel.reduce_dtype": tuple(DTYPES),
+    "parallel.param_dtype": tuple(DTYPE_NAMES),
+    "parallel.reduce_dtype": tuple(DTYPE_NAMES),
     "parallel.backend": ("auto", "gloo", "nccl", "hccl"),
-    "export.dtype": (*DTYPES, "preserve"),
+    "export.dtype": (*DTYPE_NAMES, "preserve"),
     "logging.wandb.mode": ("disabled", "offline", "online"),
 }
 

@@ -13,8 +13,9 @@ such as ``veoptim.distributed.agreement`` does not pull in torch, FSDP or DTenso
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from veoptim.lazy import lazy_names
 
 if TYPE_CHECKING:
     from veoptim.distributed.context import DistContext, init_distributed
@@ -55,16 +56,4 @@ __all__ = [
     "setup_logging",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """Import the defining submodule on first access and cache the name here."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

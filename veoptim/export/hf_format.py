@@ -27,7 +27,7 @@ from huggingface_hub import save_torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import GenerationConfig
 
-from veoptim.dtypes import DTYPES
+from veoptim.dtypes import torch_dtypes
 from veoptim.errors import ConfigError
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -35,7 +35,7 @@ SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 SHARD_FILE_PATTERN = "model-{index:05d}-of-{total:05d}.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
 KIND_HF_EXPORT = "hf_export"  # manifest kind: never picked by resume=auto
-EXPORT_DTYPES: dict[str, torch.dtype | None] = {**DTYPES, "preserve": None}
+EXPORT_DTYPES: dict[str, torch.dtype | None] = {**torch_dtypes(), "preserve": None}
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 

@@ -16,53 +16,25 @@ number of pairs, so logged metrics are means over the step's pairs.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from veoptim.checkpoint.component import StateComponent
-from veoptim.config.schema import DataConfig, TrainerConfig, opt
 from veoptim.data.fields import INPUT_IDS, LABELS
-from veoptim.data.pairs import PairDataset, collate_pairs, load_pair_dataset
+from veoptim.data.pairs import PairDataset, collate_pairs
 from veoptim.errors import ConfigError
 from veoptim.lora import adapters_disabled
 from veoptim.losses import sequence_logps
 from veoptim.trainer.objective import LossSum, MicroBatch
 
+if TYPE_CHECKING:
+    from veoptim.objectives.schema import DPOSection
+
 LOSSES = ("sigmoid", "ipo")
-
-
-@dataclass
-class DPODataConfig(DataConfig):
-    train_path: str = opt(
-        "",
-        "Preference pairs JSONL (prompt or messages, chosen, rejected); empty = the bundled pairs.",
-    )
-
-
-@dataclass
-class DPOSection:
-    beta: float = opt(0.1, "Strength of the KL penalty towards the reference (> 0).")
-    label_smoothing: float = opt(
-        0.0, "sigmoid loss: assumed share of flipped preference labels, in [0, 0.5)."
-    )
-    loss: str = opt("sigmoid", "sigmoid (DPO) | ipo.")
-
-
-@dataclass
-class DPOConfig(TrainerConfig):
-    """Root config of ``python -m tasks.dpo``."""
-
-    data: DPODataConfig = field(default_factory=DPODataConfig)
-    dpo: DPOSection = field(default_factory=DPOSection)
-
-    def build_objective(self, tokenizer: Any) -> DPOObjective:
-        check_dpo(self.dpo)
-        dataset = load_pair_dataset(self.data.train_path, tokenizer, self.data.max_seq_len)
-        return DPOObjective(dataset, tokenizer.pad_token_id, self.dpo, self.lora.enabled)
 
 
 def check_dpo(cfg: DPOSection) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from veoptim.dtypes import DTYPES
+from veoptim.dtypes import torch_dtypes
 from veoptim.errors import CheckpointError, ConfigError
 from veoptim.optim.dtensor_util import local
 
@@ -84,7 +84,7 @@ def check_int(name: str, value: Any) -> None:
 
 def check_moment_dtype(name: str, value: Any) -> None:
     """Moment dtypes come from the config dtype table (veoptim/dtypes.py)."""
-    allowed = list(DTYPES.values())
+    allowed = list(torch_dtypes().values())
     if not isinstance(value, torch.dtype) or value not in allowed:
         raise ConfigError(
             f"optimizer option {name!r} must be one of {[str(d) for d in allowed]}, got {value!r}."
