@@ -1,21 +1,26 @@
-"""Trainer callbacks: progress, metrics/wandb, resolved config, checkpoints and exports."""
+"""Trainer callbacks: progress, metrics/wandb, resolved config, checkpoints and exports.
+
+Importing the package loads no callback module (they import torch and the checkpoint
+stack): a task command imports it before its config is checked.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from veoptim.config.schema import TrainerConfig
-from veoptim.trainer import Callback
-
-from .checkpoint import CheckpointCallback
-from .hf_export import HFExportCallback
-from .metrics import MetricsFileCallback, TensorBoardCallback, WandbCallback
-from .progress import ProgressCallback
-from .run_files import ResolvedConfigCallback
+if TYPE_CHECKING:
+    from veoptim.config.schema import TrainerConfig
+    from veoptim.trainer import Callback
 
 
 def standard_callbacks(cfg: TrainerConfig, resolved: dict[str, Any]) -> list[Callback]:
     """The callbacks every task uses, in hook order: run files, metrics, checkpoints, progress."""
+    from .checkpoint import CheckpointCallback
+    from .hf_export import HFExportCallback
+    from .metrics import MetricsFileCallback, TensorBoardCallback, WandbCallback
+    from .progress import ProgressCallback
+    from .run_files import ResolvedConfigCallback
+
     # Metrics before checkpoints: a step's record is written before that step's checkpoint
     # is published, so a crash between them never leaves a checkpoint missing from the log.
     callbacks: list[Callback] = [

@@ -25,8 +25,15 @@ if TYPE_CHECKING:
     from veoptim.distributed import DistContext
     from veoptim.trainer import Trainer
 
-# Torch, the trainer and the callbacks are imported once the config is valid (in run_task),
-# so that a mistyped command line or --help is answered without loading them.
+# The checkout's top-level tasks/ and callbacks/ ship as veoptim.tasks and veoptim.callbacks
+# (setup.py): no generic top-level name in a user's site-packages.
+if __package__ == "veoptim.tasks":
+    from veoptim.callbacks import standard_callbacks
+else:
+    from callbacks import standard_callbacks
+
+# Torch, the trainer and the callback modules are imported once the config is valid (in
+# run_task), so that a mistyped command line or --help is answered without loading them.
 
 log = logging.getLogger("veoptim")
 
@@ -74,13 +81,6 @@ def dry_run(config: TrainerConfig, env: Mapping[str, str] = os.environ) -> dict[
 def _train(config: TrainerConfig, ctx: DistContext, resolved: Any) -> dict[str, float]:
     from veoptim.distributed import setup_logging
     from veoptim.trainer import Trainer
-
-    # The checkout's top-level callbacks/ ships as veoptim.callbacks (setup.py): no generic
-    # top-level name in a user's site-packages.
-    if __package__ == "veoptim.tasks":
-        from veoptim.callbacks import standard_callbacks
-    else:
-        from callbacks import standard_callbacks
 
     setup_logging(ctx, config.logging.level, config.logging.progress)
     losses: list[float] = []
