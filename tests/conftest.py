@@ -17,6 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# One intra-op thread per process: ``make test`` runs two workers on two cores, each with
+# the processes its tests start, and torch's default (a thread per core in every process)
+# oversubscribes the cores while idle OpenMP threads spin (the suite ran ~1.5x longer).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (a plugin): apply it there too
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 #: The slow tier: modules that start processes (spawned gloo ranks, task commands, torchrun,
 #: the service and its SDK clients, wheel builds). ``make test-fast`` leaves them out;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -39,3 +40,10 @@ def test_the_slow_tier_is_collected_first_with_the_walkthrough_at_its_head():
     slow = [m in SLOW_MODULES for m in order]
     assert slow == sorted(slow, reverse=True)  # every slow module before every fast one
     assert len(order) == len(set(modules))  # each module's tests stay together
+
+
+def test_each_test_process_runs_torch_on_one_thread():
+    import torch
+
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert torch.get_num_threads() == 1
