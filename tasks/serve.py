@@ -13,20 +13,24 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from veoptim.config import to_config
-from veoptim.distributed import DistContext, init_distributed, setup_logging
 from veoptim.errors import VeoptimError
-from veoptim.lora.slots import SlotTrainer
 from veoptim.service import ServeConfig
 from veoptim.service.auth import check_tenant_name, key_hash, new_key
 from veoptim.service.db import DB_FILE, Database
-from veoptim.service.ranks import ServedTrainer
 
 from .cli import task_command
 from .runner import run_dir_of_job
+
+if TYPE_CHECKING:
+    from veoptim.distributed import DistContext
+
+# The trainer, torch and the HTTP server are imported once the config is valid (in job):
+# --help, a mistyped key and the keys command answer without loading them.
 
 NAME = "serve"
 log = logging.getLogger("veoptim")
@@ -42,6 +46,8 @@ def job(cfg: DictConfig) -> None:
         config = to_config(cfg)
         assert isinstance(config, ServeConfig)
         config.check_serve_keys()
+        from veoptim.distributed import init_distributed, setup_logging
+
         timeout = timedelta(seconds=config.serve.rank_timeout_s)
         ctx = init_distributed(config.run.device, config.parallel.backend, os.environ, timeout)
         setup_logging(ctx, config.logging.level, config.logging.progress)
@@ -57,6 +63,8 @@ def job(cfg: DictConfig) -> None:
 def serve_on(ctx: DistContext, config: ServeConfig) -> None:
     """Rank 0 serves; the other ranks of a torchrun job run its trainer calls. Returns
     once the service stopped, holding nothing of the model (the groups can go)."""
+    from veoptim.lora.slots import SlotTrainer
+    from veoptim.service.ranks import ServedTrainer
     from veoptim.service.runtime import Service
     from veoptim.service.server import serve
 

@@ -56,11 +56,27 @@ def _task_command(task: str, *args: str) -> str:
         _task_command("sft", "optim.lrr=1e-3"),
         _task_command("sft", "model.dtype=fp16"),
         _task_command("dpo", "train.max_step=5"),
+        "import tasks.serve, veoptim.lora.slots, veoptim.service",
+        _task_command("serve", "serve.portt=1"),
     ],
-    ids=["import", "help", "unknown-key", "bad-value", "dpo-unknown-key"],
+    ids=[
+        "import",
+        "help",
+        "unknown-key",
+        "bad-value",
+        "dpo-unknown-key",
+        "import-serve",
+        "serve-unknown-key",
+    ],  # fmt: skip
 )
 def test_a_task_command_answers_help_and_mistakes_without_torch(statement: str) -> None:
     assert _imported_after(statement) == []
+
+
+def test_the_keys_command_adds_a_tenant_without_torch(tmp_path) -> None:
+    statement = _task_command("serve", "keys", "add", "alice", f"run.dir={tmp_path}")
+    assert _imported_after(statement) == []
+    assert (tmp_path / "service.sqlite").is_file()
 
 
 def test_a_valid_task_command_goes_on_to_load_torch(tmp_path) -> None:

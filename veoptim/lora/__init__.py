@@ -1,18 +1,40 @@
 """LoRA: adapters on a frozen base (layer, injection, checkpoint state, PEFT format).
 
 The multi-LoRA runtime is ``veoptim.lora.slots`` (``SlotTrainer``, ``MultiLoRAConfig``):
-importing the adapters alone does not import it, nor the optimizers it brings.
+importing the adapters alone does not import it, nor the optimizers it brings. The names
+below are imported on first use (PEP 562), so the slots' config (``veoptim.lora.slots.config``)
+loads without torch.
 """
 
-from veoptim.lora.experts import LoRAExperts
-from veoptim.lora.inject import (
-    adapters_disabled,
-    apply_lora,
-    lora_experts,
-    lora_layers,
-    target_names,
-)
-from veoptim.lora.layer import DEFAULT_ADAPTER, AdapterSpec, LoRALinear
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from veoptim.lazy import lazy_names
+
+if TYPE_CHECKING:
+    from veoptim.lora.experts import LoRAExperts
+    from veoptim.lora.inject import (
+        adapters_disabled,
+        apply_lora,
+        lora_experts,
+        lora_layers,
+        target_names,
+    )
+    from veoptim.lora.layer import DEFAULT_ADAPTER, AdapterSpec, LoRALinear
+
+#: Public name -> submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    "LoRAExperts": "experts",
+    "adapters_disabled": "inject",
+    "apply_lora": "inject",
+    "lora_experts": "inject",
+    "lora_layers": "inject",
+    "target_names": "inject",
+    "DEFAULT_ADAPTER": "layer",
+    "AdapterSpec": "layer",
+    "LoRALinear": "layer",
+}
 
 __all__ = [
     "DEFAULT_ADAPTER",
@@ -25,3 +47,5 @@ __all__ = [
     "lora_layers",
     "target_names",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
