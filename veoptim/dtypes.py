@@ -31,4 +31,6 @@ def resolve_dtype(name: str, key: str) -> torch.dtype:
     """Map a config dtype name to a torch dtype; ConfigError names ``key`` and the choices."""
     if name not in DTYPE_NAMES:
         raise ConfigError(f"{key} must be one of {sorted(DTYPE_NAMES)}, got {name!r}.")
-    return torch_dtypes()[name]
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
