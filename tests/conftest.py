@@ -11,6 +11,7 @@ import pytest
 from omegaconf import DictConfig
 
 from tasks.compose import compose_config
+from tests import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,6 +84,7 @@ SLOW_MODULES = (
     "tasks/test_sft_run.py",
     "test_conftest.py",
     "test_docs_walkthrough.py",
+    "test_forkserver.py",
     "test_log_format.py",
     "test_packaging.py",
     "trainer/test_eval_ranks.py",
@@ -155,9 +157,15 @@ def compose_sft(overrides: list[str] | None = None) -> DictConfig:
     return compose_config("sft", overrides)
 
 
-def run_task_cli(task: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m tasks.<task> ARGS`` in a real subprocess, offline, from ``cwd``."""
+def run_task_cli(
+    task: str, args: list[str], cwd: Path, *, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """``python -m tasks.<task> ARGS``, offline, from ``cwd``: a fork of the preloaded server
+    (``tests/forkserver.py``), or with ``fresh=True`` a new interpreter, for checks of all
+    it prints (a one-line error is one line also with what importing prints)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    if not fresh:
+        return forkserver.run_module(f"tasks.{task}", args, cwd=cwd, env=env, timeout=300)
     return subprocess.run(
         [sys.executable, "-m", f"tasks.{task}", *args],
         cwd=cwd,
@@ -168,9 +176,9 @@ def run_task_cli(task: str, args: list[str], cwd: Path) -> subprocess.CompletedP
     )
 
 
-def run_sft_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m tasks.sft ARGS`` in a real subprocess, offline, from ``cwd``."""
-    return run_task_cli("sft", args, cwd)
+def run_sft_cli(args: list[str], cwd: Path, *, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m tasks.sft ARGS`` (see :func:`run_task_cli`)."""
+    return run_task_cli("sft", args, cwd, fresh=fresh)
 
 
 @pytest.fixture

@@ -37,7 +37,9 @@ def test_dry_run_prints_the_plan_and_writes_no_checkpoint(tmp_path):
 def test_dry_run_with_a_bad_data_path_is_one_line_exit_2(tmp_path):
     missing = tmp_path / "no_such.jsonl"
     proc = run_sft_cli(
-        [f"run.dir={tmp_path / 'run'}", "run.dry_run=true", f"data.train_path={missing}"], tmp_path
+        [f"run.dir={tmp_path / 'run'}", "run.dry_run=true", f"data.train_path={missing}"],
+        tmp_path,
+        fresh=True,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = (proc.stdout + proc.stderr).strip().splitlines()

@@ -40,7 +40,9 @@ def test_every_unknown_key_is_named_at_any_depth():
 
 def test_cli_rejects_plus_unknown_key_with_exit_code_2(tmp_path):
     proc = run_sft_cli(
-        ["+optim.lrr=1e-3", f"run.dir={tmp_path / 'run'}", "train.max_steps=2"], tmp_path
+        ["+optim.lrr=1e-3", f"run.dir={tmp_path / 'run'}", "train.max_steps=2"],
+        tmp_path,
+        fresh=True,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     output = proc.stdout + proc.stderr

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from tests import forkserver
 from veoptim.distributed import init_distributed
 from veoptim.distributed.context import (
     import_group_capturing_modules,
@@ -26,20 +27,6 @@ from veoptim.distributed.context import (
     release_frames,
     release_process_groups,
 )
-
-#: Imported once by the fork server that starts every rank, so a rank is a fork of a process
-#: that has them loaded rather than a fresh interpreter importing torch and the trainer again
-#: (several seconds of CPU per rank, the largest cost of a multi-rank test on 2 cores). A rank
-#: still starts with no state of any earlier rank or test: the server only imports.
-PRELOAD = [
-    "torch",
-    "torch.distributed.checkpoint",
-    "veoptim.trainer",
-    "veoptim.objectives",
-    "veoptim.lora",
-    "pytest",
-    "tests.distributed.spawn",
-]
 
 RESULT_FILE = "result.rank{rank}.json"
 ERROR_FILE = "error.rank{rank}.txt"
@@ -121,14 +108,14 @@ def _leak_note() -> str:
 def start_ranks(
     fn: Callable[..., None], args: tuple, nprocs: int, *, join: bool = True
 ) -> mp.ProcessContext | None:
-    """``torch.multiprocessing.spawn``, but each rank forked from a server with :data:`PRELOAD`.
+    """``torch.multiprocessing.spawn``, but each rank forked from the preloaded server
+    (``tests/forkserver.py``).
 
     ``fn(rank, *args)`` must be importable by name, as for ``spawn``. The fork server keeps
     the environment it started with, so each rank is given this process's environment as it
     is at this call (as a spawned rank would inherit it).
     """
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.set_forkserver_preload(PRELOAD)
+    forkserver.context()
     return mp.start_processes(
         _in_environment, (dict(os.environ), fn, args), nprocs, join=join, start_method="forkserver"
     )

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from callbacks.hf_export import EXPORTS_SUBDIR, HF_EXPORT_NAME, HFExportCallback
 from tasks.export import main as export_main
+from tests import forkserver
 from tests.checkpoint.ckpt_state import build_trainer, save_with
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
@@ -35,11 +36,9 @@ def _trained_checkpoint(tmp: Path, overrides: list[str]):
     return trainer, root / "final"
 
 
-def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tasks.export", *args],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, check=False, **kwargs,
-    )  # fmt: skip
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m tasks.export ARGS``, forked from the preloaded server (``tests/forkserver.py``)."""
+    return forkserver.run_module("tasks.export", list(args), cwd=REPO, env=ENV, timeout=300)
 
 
 def _files(version: Path) -> dict[str, bytes]:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from callbacks import standard_callbacks
 from tasks.export import main as export_main
 from tasks.generate import main
+from tests import forkserver
 from tests.checkpoint.ckpt_state import build_trainer
 from tests.conftest import REPO
 from veoptim.export.adapters import BASE_EXPORT
@@ -111,9 +112,9 @@ def test_sampling_is_seeded_and_prompts_come_from_jsonl(exports, capsys, tmp_pat
 def test_the_command_runs_and_a_wrong_dir_is_one_line_exit_2(exports, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "tasks.generate"]
-    ok = subprocess.run([*command, str(exports["hf"]), "--prompt", PROMPTS[0],
-                         "--max-new-tokens", "4", "--format", "jsonl"],
-                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    ok = forkserver.run_module("tasks.generate", [str(exports["hf"]), "--prompt", PROMPTS[0],
+                               "--max-new-tokens", "4", "--format", "jsonl"],
+                               cwd=REPO, env=env)  # fmt: skip
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert json.loads(ok.stdout)["prompt"] == PROMPTS[0]
     bad = subprocess.run([*command, str(tmp_path), "--prompt", "hi"],

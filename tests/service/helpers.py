@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import uvicorn
 
+from tests import forkserver
 from tests.conftest import REPO
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -53,7 +54,9 @@ def write_keys(path: Path) -> dict[str, str]:
     return keys
 
 
-def wait_healthy(url: str, timeout: float = 90.0, proc: subprocess.Popen | None = None) -> None:
+def wait_healthy(
+    url: str, timeout: float = 90.0, proc: subprocess.Popen | forkserver.ForkedModule | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -194,7 +197,8 @@ class InProcessServer(Served):
 
 
 class SubprocessServer(Served):
-    """``python -m tasks.serve`` in a subprocess; ``keys`` written once per run dir."""
+    """``python -m tasks.serve`` in its own process (forked from the preloaded server of
+    ``tests/forkserver.py``); ``keys`` written once per run dir."""
 
     def __init__(self, run_dir: Path, *extra: str, keys: dict[str, str] | None = None,
                  kill_at: str = "", port: int = 0) -> None:  # fmt: skip
@@ -209,10 +213,10 @@ class SubprocessServer(Served):
         if kill_at:
             module, env["VEOPTIM_TEST_KILL_AT"] = "tests.service.killing_serve", kill_at
         self.log = (run_dir / "server.log").open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, f"run.dir={run_dir}", f"serve.port={port}",
-             f"serve.keys_file={run_dir / 'keys.txt'}", *OVERRIDES, *extra],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = forkserver.ForkedModule(
+            module, [f"run.dir={run_dir}", f"serve.port={port}",
+                     f"serve.keys_file={run_dir / 'keys.txt'}", *OVERRIDES, *extra],
+            cwd=REPO, env=env, stdout=self.log,
         )  # fmt: skip
         try:
             wait_healthy(self.url, 90, self.proc)

@@ -5,11 +5,10 @@ the same ``log_path`` after an interruption, resumes from its last saved state."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from tests import forkserver
 from tests.service.helpers import InProcessServer, client_env
 from veoptim.data import bundled_tokenizer_dir
 
@@ -18,11 +17,11 @@ TOKENIZER = str(bundled_tokenizer_dir().resolve())
 
 
 def cookbook(srv: InProcessServer, log_path, steps: int, cwd) -> str:
-    env = client_env(srv.keys["alice"])
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.service.cookbook_driver", srv.url, TOKENIZER,
-         str(log_path), str(steps)],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
+    """``python -m tests.service.cookbook_driver`` (forked from the preloaded server of
+    ``tests/forkserver.py``); its output."""
+    proc = forkserver.run_module(
+        "tests.service.cookbook_driver", [srv.url, TOKENIZER, str(log_path), str(steps)],
+        cwd=cwd, env=client_env(srv.keys["alice"]), timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr

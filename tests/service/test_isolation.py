@@ -7,8 +7,6 @@ A tenant never sees another's runs or checkpoints."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import pytest
 import tinker
 import torch
 
+from tests import forkserver
 from tests.conftest import REPO
 from tests.service.helpers import InProcessServer, client_env, differences
 from veoptim.service import paths
@@ -69,48 +68,39 @@ def tenants(srv: InProcessServer, work: Path, alice_role: str, bob_path: str = "
     env = client_env()
     outs = {"bob": work / "bob.json", "alice": work / "alice.json"}
     procs = {
-        name: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.service.tenant_client",
-                srv.url,
-                "bob" if name == "bob" else alice_role,
-                str(outs[name]),
-                bob_path,
-            ],
+        name: forkserver.ForkedModule(
+            "tests.service.tenant_client",
+            [srv.url, "bob" if name == "bob" else alice_role, str(outs[name]), bob_path],
             cwd=REPO,
             env={**env, "TINKER_API_KEY": srv.keys[name]},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
+            stdout=work / f"{name}.log",
+        )
         for name in outs
     }
     try:
         for name, out in outs.items():
             ready = Path(f"{out}.ready")
-            _wait(ready, procs[name])
+            _wait(ready, procs[name], work / f"{name}.log")
         paths = json.loads(Path(f"{outs['alice']}.ready").read_text())
         truncate_a_shard(srv, paths["truncated"])
         for out in outs.values():
             Path(f"{out}.go").touch()
         for name, proc in procs.items():
-            output, _ = proc.communicate(timeout=180)
-            assert proc.returncode == 0, f"{name}: {output[-3000:]}"
+            code = proc.wait(timeout=180)
+            assert code == 0, f"{name}: {(work / f'{name}.log').read_text()[-3000:]}"
     finally:
         for proc in procs.values():
             proc.kill()
     return json.loads(outs["bob"].read_text()), json.loads(outs["alice"].read_text())
 
 
-def _wait(path: Path, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+def _wait(path: Path, proc: forkserver.ForkedModule, log: Path, timeout: float = 180.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"a tenant exited early: {proc.communicate()[0][-3000:]}")
+            raise AssertionError(f"a tenant exited early: {log.read_text()[-3000:]}")
         assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
         time.sleep(0.05)
 

@@ -7,13 +7,12 @@ their last saved state and finish."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.service.helpers import TENANTS, SubprocessServer, client_env
 from veoptim.data import bundled_tokenizer_dir
 
@@ -25,17 +24,29 @@ STEPS = 8
 SERVER = [f"serve.base_model={TOKENIZER}", "data.max_seq_len=256", "lora.num_slots=8"]
 
 
-def recipe(srv: SubprocessServer, tenant: str, log_path: Path) -> subprocess.Popen:
+def recipe(srv: SubprocessServer, tenant: str, log_path: Path) -> forkserver.ForkedModule:
+    """The recipe as ``python -m tests.service.math_rl_driver`` (forked from the preloaded
+    server of ``tests/forkserver.py``), its output in :func:`output`."""
     env = client_env(srv.keys[tenant])
     args = [f"model_name={TOKENIZER}", "env=arithmetic", "renderer_name=role_colon",
             "loss_fn=importance_sampling", f"base_url={srv.url}", f"log_path={log_path}",
             "groups_per_batch=4", "group_size=4", f"max_steps={STEPS}", "lora_rank=8",
             "save_every=2", "eval_every=0", "learning_rate=1e-3",
             "behavior_if_log_dir_exists=resume"]  # fmt: skip
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.service.math_rl_driver", *args], cwd=log_path.parent,
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    out = output_path(log_path)
+    out.unlink(missing_ok=True)
+    return forkserver.ForkedModule("tests.service.math_rl_driver", args, cwd=log_path.parent,
+                                   env=env, stdout=out)  # fmt: skip
+
+
+def output_path(log_path: Path) -> Path:
+    return log_path.parent / f"{log_path.name}.out"
+
+
+def finished(proc: forkserver.ForkedModule, log_path: Path) -> str:
+    """Wait for the recipe's process; its output."""
+    proc.wait(timeout=300)
+    return output_path(log_path).read_text()
 
 
 def saved(log_path: Path) -> list[dict]:
@@ -52,7 +63,7 @@ def test_math_rl_for_two_tenants_survives_a_server_restart(tmp_path):
         while not all(saved(log) for log in logs.values()):
             assert time.monotonic() < deadline, "no tenant saved a state in 240 s"
             for tenant, proc in runs.items():
-                assert proc.poll() is None, f"{tenant}: {proc.communicate()[0][-3000:]}"
+                assert proc.poll() is None, f"{tenant}: {finished(proc, logs[tenant])[-3000:]}"
             time.sleep(0.05)
     finally:
         first.kill()
@@ -63,12 +74,12 @@ def test_math_rl_for_two_tenants_survives_a_server_restart(tmp_path):
                               port=int(first.url.rsplit(":", 1)[1]))  # fmt: skip
     try:
         for tenant, proc in runs.items():  # the clients of the killed server fail, never hang
-            output, _ = proc.communicate(timeout=300)
+            output = finished(proc, logs[tenant])
             assert proc.returncode != 0, f"{tenant} finished across the restart: {output[-2000:]}"
             assert "restarted" in output, output[-2000:]  # a request's error or its lost model
         resumed = {tenant: recipe(second, tenant, logs[tenant]) for tenant in TENANTS}
         for tenant, proc in resumed.items():
-            output, _ = proc.communicate(timeout=300)
+            output = finished(proc, logs[tenant])
             assert proc.returncode == 0, f"{tenant}: {output[-3000:]}"
             last = saved(logs[tenant])
             resumed_from = next(r for r in last if r["batch"] == before[tenant]["batch"])

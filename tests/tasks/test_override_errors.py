@@ -53,13 +53,15 @@ def _one_error_line(proc: subprocess.CompletedProcess, expected: list[str]) -> N
 
 @pytest.mark.parametrize("typo", list(TYPOS))
 def test_a_typo_is_one_line_naming_the_key_and_the_suggestion_exit_2(typo, tmp_path):
-    proc = run_sft_cli([typo, f"run.dir={tmp_path / 'run'}"], tmp_path)
+    proc = run_sft_cli([typo, f"run.dir={tmp_path / 'run'}"], tmp_path, fresh=True)
     _one_error_line(proc, TYPOS[typo])
     assert not (tmp_path / "run").exists()  # stopped before Hydra made the run dir
 
 
 def test_a_typo_in_one_sweep_value_is_one_line(tmp_path):
-    proc = run_sft_cli(["-m", "optim.lr=1e-3,x", f"run.dir={tmp_path / 'run'}"], tmp_path)
+    proc = run_sft_cli(
+        ["-m", "optim.lr=1e-3,x", f"run.dir={tmp_path / 'run'}"], tmp_path, fresh=True
+    )
     _one_error_line(proc, ["optim.lr must be a float, not 'x'"])
     assert not (tmp_path / "run").exists()
 

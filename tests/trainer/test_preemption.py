@@ -1,8 +1,8 @@
 """SIGTERM mid-run: finish the step, agree, save, exit non-zero; resuming is bitwise.
 
-Real ``python -m tasks.sft`` processes (one process, and two ranks under torchrun with
-the signal sent to one rank only), real signals, real checkpoints compared tensor by
-tensor with a straight run's.
+Real ``python -m tasks.sft`` processes (one process, forked from the preloaded server of
+``tests/forkserver.py``, and two ranks under torchrun with the signal sent to one rank
+only), real signals, real checkpoints compared tensor by tensor with a straight run's.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.checkpoint.helpers import ckpt_io
 from tests.conftest import REPO
 from veoptim.checkpoint import latest_complete, step_name
@@ -41,8 +42,11 @@ def _command(nproc: int, overrides: list[str]) -> list[str]:
 
 
 def _run(nproc: int, overrides: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(_command(nproc, overrides), cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    if nproc == 1:
+        done = forkserver.run_module("tasks.sft", overrides, cwd=REPO, env=ENV, timeout=600)
+    else:
+        done = subprocess.run(_command(nproc, overrides), cwd=REPO, env=ENV, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -71,17 +75,21 @@ def _children(pid: int) -> list[int]:
 
 def _signal_mid_run(nproc: int, overrides: list[str], run_dir: Path) -> tuple[int, str]:
     """Start the run, SIGTERM one process (the last rank) once a few steps are logged."""
-    proc = subprocess.Popen(_command(nproc, overrides), cwd=REPO, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    log = run_dir.parent / f"{run_dir.name}.out"
+    if nproc == 1:
+        proc = forkserver.ForkedModule("tasks.sft", overrides, cwd=REPO, env=ENV, stdout=log)
+    else:
+        with log.open("w") as out:
+            proc = subprocess.Popen(_command(nproc, overrides), cwd=REPO, env=ENV,
+                                    stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 300
     while _logged_steps(run_dir) < 3:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert proc.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, "the run logged no steps"
         time.sleep(0.05)
     target = proc.pid if nproc == 1 else _children(proc.pid)[-1]
     os.kill(target, signal.SIGTERM)
-    output, _ = proc.communicate(timeout=300)
-    return proc.returncode, output
+    return proc.wait(timeout=300), log.read_text()
 
 
 @pytest.mark.parametrize("nproc,steps", [(1, 100), (2, 60)], ids=["1proc", "2ranks"])

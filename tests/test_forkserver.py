@@ -1,0 +1,114 @@
+"""A task command forked from the preloaded server behaves as ``python -m`` in a new interpreter.
+
+The suite runs most task commands and every spawned rank as forks of one server per
+pytest process (``tests/forkserver.py``); these checks compare a probe module run both
+ways, and check that the server really holds what the forks would otherwise import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests import forkserver
+from tests.conftest import REPO
+
+PROBE = """
+import atexit, json, os, sys, threading, time
+from pathlib import Path
+
+print(json.dumps({
+    "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[:2], "name": __name__,
+    "env": os.environ.get("PROBE_VALUE"), "preloaded": sorted(m for m in sys.modules if m in
+    ("torch", "transformers", "veoptim.trainer.trainer", "veoptim.models.build",
+     "veoptim.service.server"))}), flush=True)
+atexit.register(lambda: Path("atexit.txt").write_text("ran"))
+threading.Thread(target=lambda: (time.sleep(0.3), Path("thread.txt").write_text("ran"))).start()
+mode = sys.argv[1]
+if mode == "raise":
+    raise ValueError("probe failed")
+if mode == "wait":
+    time.sleep(600)
+print("to stderr", file=sys.stderr)
+sys.exit(int(mode))
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PROBE_VALUE": "x", **extra}
+
+
+def _probe_dir(tmp_path: Path, name: str) -> Path:
+    run = tmp_path / name
+    run.mkdir()
+    (run / "probe_module.py").write_text(PROBE)
+    return run
+
+
+def _both(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, ...]:
+    fresh_dir, fork_dir = _probe_dir(tmp_path, "fresh"), _probe_dir(tmp_path, "fork")
+    fresh = subprocess.run([sys.executable, "-m", "probe_module", mode], cwd=fresh_dir,
+                           env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    fork = forkserver.run_module("probe_module", [mode], cwd=fork_dir, env=_env(), timeout=120)
+    return fresh, fork
+
+
+def _report(proc: subprocess.CompletedProcess, run: Path) -> dict:
+    report = json.loads(proc.stdout.splitlines()[0])
+    for key in ("argv", "cwd", "path0"):
+        report[key] = json.loads(json.dumps(report[key]).replace(str(run), "<run>"))
+    return report
+
+
+def test_a_fork_runs_a_module_as_a_new_interpreter_does(tmp_path):
+    fresh, fork = _both(tmp_path, "3")
+    assert (fresh.returncode, fork.returncode) == (3, 3)
+    assert (fresh.stderr, fork.stderr) == ("to stderr\n", "to stderr\n")
+    fresh_report, fork_report = _report(fresh, tmp_path / "fresh"), _report(fork, tmp_path / "fork")
+    assert fresh_report["preloaded"] == []  # the control: a new interpreter imports nothing
+    assert fork_report["preloaded"] == [
+        "torch", "transformers", "veoptim.models.build", "veoptim.service.server",
+        "veoptim.trainer.trainer"]  # fmt: skip
+    del fresh_report["preloaded"], fork_report["preloaded"]
+    assert fork_report == fresh_report
+    assert fork_report["argv"] == ["<run>/probe_module.py", "3"]
+    assert fork_report["path0"] == ["<run>", str(REPO)] and fork_report["name"] == "__main__"
+    for run in ("fresh", "fork"):  # non-daemon threads are joined, then atexit handlers run
+        assert (tmp_path / run / "thread.txt").read_text() == "ran"
+        assert (tmp_path / run / "atexit.txt").read_text() == "ran"
+
+
+def test_an_uncaught_exception_exits_1_with_its_traceback(tmp_path):
+    fresh, fork = _both(tmp_path, "raise")
+    assert (fresh.returncode, fork.returncode) == (1, 1)
+    for proc in (fresh, fork):
+        assert proc.stderr.startswith("Traceback") and proc.stderr.endswith(
+            "ValueError: probe failed\n"
+        )
+
+
+def test_a_signal_ends_a_fork_with_minus_its_number(tmp_path):
+    run = _probe_dir(tmp_path, "fork")
+    process = forkserver.ForkedModule("probe_module", ["wait"], cwd=run, env=_env(),
+                                      stdout=run / "out.txt")  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (run / "out.txt").exists() or not (run / "out.txt").read_text():
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    assert process.poll() is None
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(30) == -signal.SIGKILL == process.returncode
+
+
+def test_an_environment_the_server_did_not_import_under_gets_a_new_interpreter(tmp_path):
+    run = _probe_dir(tmp_path, "other")
+    threads = "2" if os.environ.get("OMP_NUM_THREADS") != "2" else "3"
+    assert not forkserver.forkable(_env(OMP_NUM_THREADS=threads))
+    proc = forkserver.run_module("probe_module", ["0"], cwd=run,
+                                 env=_env(OMP_NUM_THREADS=threads))  # fmt: skip
+    assert proc.returncode == 0 and _report(proc, run)["preloaded"] == []
