@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import io
+import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -65,12 +66,16 @@ IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "TORCH", "CUDA", "HF_", "HUGGINGFACE"
 #: unbuffered standard streams, the fault handler).
 APPLIED_IN_FORK = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")
 
-_server_env: dict[str, str] | None = None
+#: The server's environment at its start, and as its forks inherit it (the preloaded modules
+#: set a few variables themselves, e.g. torch's ``TORCHINDUCTOR_CACHE_DIR``).
+_server_env: tuple[dict[str, str], dict[str, str]] | None = None
 
 
 def _import_time(env: dict[str, str]) -> dict[str, str]:
     return {
-        k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in APPLIED_IN_FORK
+        k: v
+        for k, v in env.items()
+        if k.startswith(IMPORT_TIME_ENV) and k not in APPLIED_IN_FORK
     }
 
 
@@ -81,17 +86,32 @@ def context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     if _server_env is None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        started = _import_time(dict(os.environ))
         ctx.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
-        _server_env = _import_time(dict(os.environ))
+        with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
+            probe = ctx.Process(target=_write_environ, args=(f"{tmp}/environ.json",))
+            probe.start()
+            probe.join()
+            inherited = _import_time(json.loads(Path(tmp, "environ.json").read_text()))
+        _server_env = started, inherited
     return ctx
 
 
+def _write_environ(path: str) -> None:
+    Path(path).write_text(json.dumps(dict(os.environ)))
+
+
 def forkable(env: dict[str, str]) -> bool:
-    """Whether a command with ``env`` can be a fork: the server imported under the same
-    values of :data:`IMPORT_TIME_ENV`."""
+    """Whether a command with ``env`` can be a fork: each of :data:`IMPORT_TIME_ENV` has the
+    value the server imported under, or the one its imports gave it."""
     context()
-    return _import_time(env) == _server_env
+    started, inherited = _server_env
+    wanted = _import_time(env)
+    return all(
+        wanted.get(key) in (started.get(key), inherited.get(key))
+        for key in {*wanted, *started, *inherited}
+    )
 
 
 # ---------------------------------------------------------------- task commands

@@ -105,6 +105,18 @@ def test_a_signal_ends_a_fork_with_minus_its_number(tmp_path):
     assert process.wait(30) == -signal.SIGKILL == process.returncode
 
 
+def test_variables_the_preloaded_modules_set_themselves_still_allow_a_fork(monkeypatch):
+    """torch sets ``TORCHINDUCTOR_CACHE_DIR`` when its compiler is imported: a test process
+    that imported it later asks for the value the server's forks already hold."""
+    forkserver.context()
+    _, inherited = forkserver._server_env
+    assert "TORCHINDUCTOR_CACHE_DIR" in inherited
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inherited["TORCHINDUCTOR_CACHE_DIR"])
+    assert forkserver.forkable(_env())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    assert not forkserver.forkable(_env())
+
+
 def test_an_environment_the_server_did_not_import_under_gets_a_new_interpreter(tmp_path):
     run = _probe_dir(tmp_path, "other")
     threads = "2" if os.environ.get("OMP_NUM_THREADS") != "2" else "3"
