@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import io
-import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -59,23 +58,23 @@ PRELOAD = [
     "tests.forkserver",
 ]
 
-#: Environment variables (by prefix) that the preloaded modules read while importing.
-IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "TORCH", "CUDA", "HF_", "HUGGINGFACE", "TRANSFORMERS",
-                   "TOKENIZERS", "PYTHON", "LD_", "MALLOC")  # fmt: skip
+#: Environment variables (names and prefixes) read while the preloaded modules import:
+#: thread pools, the Hub's and transformers' paths and modes, interpreter settings. (Not
+#: switches a run sets for itself, e.g. progress bars, which a test process may have set.)
+IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "TORCH_", "CUDA_", "HF_HOME", "HF_HUB_", "HF_TOKEN",
+                   "HF_ENDPOINT", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TRANSFORMERS_",
+                   "TOKENIZERS_", "PYTHON", "LD_", "MALLOC")  # fmt: skip
 #: Interpreter settings a fork applies as the interpreter does at start (``sys.path``,
 #: unbuffered standard streams, the fault handler).
 APPLIED_IN_FORK = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")
 
-#: The server's environment at its start, and as its forks inherit it (the preloaded modules
-#: set a few variables themselves, e.g. torch's ``TORCHINDUCTOR_CACHE_DIR``).
-_server_env: tuple[dict[str, str], dict[str, str]] | None = None
+#: The server's environment at its start (what :data:`PRELOAD` imported under).
+_server_env: dict[str, str] | None = None
 
 
 def _import_time(env: dict[str, str]) -> dict[str, str]:
     return {
-        k: v
-        for k, v in env.items()
-        if k.startswith(IMPORT_TIME_ENV) and k not in APPLIED_IN_FORK
+        k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in APPLIED_IN_FORK
     }
 
 
@@ -86,32 +85,23 @@ def context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     if _server_env is None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        started = _import_time(dict(os.environ))
         ctx.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
-        with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
-            probe = ctx.Process(target=_write_environ, args=(f"{tmp}/environ.json",))
-            probe.start()
-            probe.join()
-            inherited = _import_time(json.loads(Path(tmp, "environ.json").read_text()))
-        _server_env = started, inherited
+        _server_env = _import_time(dict(os.environ))
     return ctx
 
 
-def _write_environ(path: str) -> None:
-    Path(path).write_text(json.dumps(dict(os.environ)))
-
-
 def forkable(env: dict[str, str]) -> bool:
-    """Whether a command with ``env`` can be a fork: each of :data:`IMPORT_TIME_ENV` has the
-    value the server imported under, or the one its imports gave it."""
+    """Whether a command with ``env`` can be a fork (:func:`unforkable_keys` is empty)."""
+    return not unforkable_keys(env)
+
+
+def unforkable_keys(env: dict[str, str]) -> list[str]:
+    """The variables of :data:`IMPORT_TIME_ENV` whose value in ``env`` is not the one the
+    server imported under."""
     context()
-    started, inherited = _server_env
     wanted = _import_time(env)
-    return all(
-        wanted.get(key) in (started.get(key), inherited.get(key))
-        for key in {*wanted, *started, *inherited}
-    )
+    return sorted(k for k in {*wanted, *_server_env} if wanted.get(k) != _server_env.get(k))
 
 
 # ---------------------------------------------------------------- task commands

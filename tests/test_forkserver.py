@@ -54,6 +54,7 @@ def _both(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, ...]:
     fresh_dir, fork_dir = _probe_dir(tmp_path, "fresh"), _probe_dir(tmp_path, "fork")
     fresh = subprocess.run([sys.executable, "-m", "probe_module", mode], cwd=fresh_dir,
                            env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert forkserver.unforkable_keys(_env()) == []  # else the "fork" is a new interpreter
     fork = forkserver.run_module("probe_module", [mode], cwd=fork_dir, env=_env(), timeout=120)
     return fresh, fork
 
@@ -105,16 +106,14 @@ def test_a_signal_ends_a_fork_with_minus_its_number(tmp_path):
     assert process.wait(30) == -signal.SIGKILL == process.returncode
 
 
-def test_variables_the_preloaded_modules_set_themselves_still_allow_a_fork(monkeypatch):
-    """torch sets ``TORCHINDUCTOR_CACHE_DIR`` when its compiler is imported: a test process
-    that imported it later asks for the value the server's forks already hold."""
-    forkserver.context()
-    _, inherited = forkserver._server_env
-    assert "TORCHINDUCTOR_CACHE_DIR" in inherited
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inherited["TORCHINDUCTOR_CACHE_DIR"])
-    assert forkserver.forkable(_env())
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
-    assert not forkserver.forkable(_env())
+def test_switches_a_run_sets_for_itself_still_allow_a_fork(monkeypatch):
+    """A test process that ran the trainer in-process holds what a run sets for itself
+    (progress bars off, torch's compiler cache dir): its commands are still forks."""
+    monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
+    assert forkserver.unforkable_keys(_env()) == []
+    monkeypatch.setenv("HF_HUB_CACHE", "/tmp/another_cache")
+    assert forkserver.unforkable_keys(_env()) == ["HF_HUB_CACHE"]
 
 
 def test_an_environment_the_server_did_not_import_under_gets_a_new_interpreter(tmp_path):
