@@ -1,6 +1,7 @@
 """SIGKILL at every phase of a save (real subprocesses), one campaign for the store's two
 kinds of writer: a plain publication (files written into a version, also killed inside a
-shard) and a slot save through the checkpointer (a real ``SlotTrainer``; every phase of
+shard) and a slot save through the checkpointer (a real ``SlotTrainer`` in a process forked
+from the preloaded server of ``tests/forkserver.py``; every phase of
 the one vocabulary in ``publish.py``: the checkpointer's gather, writer and write, then the
 store's). The name always resolves to a complete old or new version, a reader loads it
 (the slot: bitwise the state saved), and the next save succeeds and cleans up."""
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import forkserver
 from tests.checkpoint.helpers.payload import check_payload, write_payload
 from tests.conftest import REPO
 from tests.lora.slots.helpers import build, differences
@@ -112,10 +114,8 @@ def sigkill_a_slot_save(tmp_path: Path, phase: str, reader) -> None:
     """The child saves slot 0 as 'alice' (v1), trains a step, and dies at ``phase`` of the
     second save; the slot loads bitwise the save the name shows, and saves again."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-m", SLOT_CHILD, str(tmp_path), phase],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = forkserver.run_module(SLOT_CHILD, [str(tmp_path), phase], cwd=REPO, env=env,
+                                 timeout=120)  # fmt: skip
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     expected = torch.load(tmp_path / ("v2.pt" if phase in NEW_VISIBLE else "v1.pt"))
     reader.store = SlotStore(tmp_path / "checkpoints" / "slots")
