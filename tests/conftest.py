@@ -24,6 +24,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # imported before this file (a plugin): apply it there too
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# Task commands and ranks fork from a server started under this environment, whichever test
+# first needs it (tests/forkserver.py).
+forkserver.set_start_environment(os.environ)
 
 #: The slow tier: modules that start processes (spawned gloo ranks, task commands, torchrun,
 #: the service and its SDK clients, wheel builds). ``make test-fast`` leaves them out;

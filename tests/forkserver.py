@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -68,26 +69,43 @@ IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "TORCH_", "CUDA_", "HF_HOME", "HF_HUB
 #: unbuffered standard streams, the fault handler).
 APPLIED_IN_FORK = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")
 
-#: The server's environment at its start (what :data:`PRELOAD` imported under).
+#: The environment the server starts under: the test process's own as ``conftest.py`` leaves
+#: it (:func:`set_start_environment`), not what a test has changed for itself at the moment
+#: the server happens to start.
+_start_env: dict[str, str] | None = None
+#: Of that environment, what :data:`PRELOAD` read at import.
 _server_env: dict[str, str] | None = None
 
 
-def _import_time(env: dict[str, str]) -> dict[str, str]:
+def set_start_environment(env: Mapping[str, str]) -> None:
+    global _start_env
+    _start_env = dict(env)
+
+
+def _import_time(env: Mapping[str, str]) -> dict[str, str]:
     return {
         k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in APPLIED_IN_FORK
     }
 
 
 def context() -> multiprocessing.context.ForkServerContext:
-    """The forkserver context, its server started (once per pytest process) with this
-    process's environment and :data:`PRELOAD`."""
+    """The forkserver context, its server started (once per pytest process) with
+    :data:`PRELOAD` under the start environment."""
     global _server_env
     ctx = multiprocessing.get_context("forkserver")
     if _server_env is None:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        start = dict(os.environ if _start_env is None else _start_env)
+        start.setdefault("OMP_NUM_THREADS", "1")
         ctx.set_forkserver_preload(PRELOAD)
-        multiprocessing.forkserver.ensure_running()
-        _server_env = _import_time(dict(os.environ))
+        current = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(start)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(current)
+        _server_env = _import_time(start)
     return ctx
 
 

@@ -123,3 +123,24 @@ def test_an_environment_the_server_did_not_import_under_gets_a_new_interpreter(t
     proc = forkserver.run_module("probe_module", ["0"], cwd=run,
                                  env=_env(OMP_NUM_THREADS=threads))  # fmt: skip
     assert proc.returncode == 0 and _report(proc, run)["preloaded"] == []
+
+
+FIRST_START = """
+import os
+from tests import forkserver
+forkserver.PRELOAD[:] = []  # the start environment is the point, not the imports
+forkserver.set_start_environment(os.environ)
+baseline = dict(os.environ)
+os.environ["HF_DATASETS_CACHE"] = "/tmp/a_tests_own_cache"  # as monkeypatch.setenv would
+forkserver.context()
+print(forkserver.unforkable_keys(baseline), forkserver.unforkable_keys(os.environ))
+"""
+
+
+def test_the_server_starts_under_the_start_environment_not_a_tests_changes():
+    """The server starts when a test first needs it; one that changed the environment for
+    itself then does not make every later command a new interpreter."""
+    proc = subprocess.run([sys.executable, "-c", FIRST_START], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[] ['HF_DATASETS_CACHE']"
