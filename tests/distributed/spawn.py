@@ -7,6 +7,7 @@ checks and returns their measurements; the test functions then assert on them.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import socket
@@ -30,6 +31,9 @@ from veoptim.distributed.context import (
 
 RESULT_FILE = "result.rank{rank}.json"
 ERROR_FILE = "error.rank{rank}.txt"
+#: A rank's standard error, where a native abort ("terminate called ...") and the fault
+#: handler's thread stacks land: a rank killed by a signal leaves no error file.
+STDERR_FILE = "stderr.rank{rank}.txt"
 
 
 def free_port() -> int:
@@ -81,6 +85,7 @@ def _worker(
     rank: int, world_size: int, port: int, fn: Callable[..., dict], out: str, args: tuple
 ) -> None:
     torch.set_num_threads(1)
+    _stderr_to(Path(out, STDERR_FILE.format(rank=rank)))
     try:
         with init_distributed("cpu", "gloo", rank_env(rank, world_size, port)) as ctx:
             result = fn(ctx, Path(out), *args)
@@ -93,6 +98,15 @@ def _worker(
     if note:
         Path(out, ERROR_FILE.format(rank=rank)).write_text(note)
         raise AssertionError(note)
+
+
+def _stderr_to(path: Path) -> None:
+    """Send this rank's fd 2 to ``path`` (appending) with the fault handler on, so that
+    :func:`run_ranks` can report how a rank that died of a signal ended."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.enable(all_threads=True)
 
 
 def _leak_note() -> str:
@@ -145,8 +159,7 @@ def run_ranks(
             if time.monotonic() >= deadline:
                 break
     except Exception as exc:  # a rank raised or died: its traceback is in its error file
-        errors = [p.read_text() for p in sorted(out.glob("error.rank*.txt"))]
-        raise AssertionError("a rank failed:\n" + "\n".join(errors)) from exc
+        raise AssertionError(_failure_report(out, exc)) from exc
     hung = [i for i, p in enumerate(context.processes) if p.is_alive()]
     if hung:
         for process in context.processes:
@@ -157,3 +170,15 @@ def run_ranks(
             "(a rank waiting on a peer that will never answer?)"
         )
     return json.loads((out / RESULT_FILE.format(rank=0)).read_text())
+
+
+def _failure_report(out: Path, exc: Exception, tail_lines: int = 60) -> str:
+    """How the ranks failed, first line first: torch's verdict (which rank, which signal),
+    then each rank's traceback, then the end of each non-empty standard error."""
+    parts = [f"a rank failed ({exc}):"]
+    parts += [p.read_text() for p in sorted(out.glob("error.rank*.txt"))]
+    for path in sorted(out.glob("stderr.rank*.txt")):
+        lines = path.read_text(errors="replace").splitlines()
+        if lines:
+            parts.append(f"--- end of {path.name} ---\n" + "\n".join(lines[-tail_lines:]))
+    return "\n".join(parts)
