@@ -329,7 +329,11 @@ def test_a_change_that_alters_the_tokens_tokenizes_again(change, tokenizer, tmp_
 def test_num_proc_2_gives_identical_examples(tokenizer, tmp_path, write_jsonl):
     rows = SHAREGPT * 5
     datasets.Dataset.from_list(rows).to_parquet(tmp_path / "sharegpt.parquet")
+    environ, before = os.environ, dict(os.environ)
     parallel = load(tmp_path / "sharegpt.parquet", tokenizer, packing=True, num_proc=2)
+    # the workers' load leaves the process's environment as it was: the same mapping (so
+    # the fixture's monkeypatch can undo its setenv there), the same contents
+    assert os.environ is environ and dict(os.environ) == before
     assert len(parallel.token_cache.files) == 2  # one shard per worker
     reference = load(write_chats(write_jsonl, SHAREGPT_CHATS * 5), tokenizer, packing=True)
     assert_same_examples(parallel, reference)

@@ -15,10 +15,12 @@ nothing; a change to any of them tokenizes again into a new file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +233,24 @@ def _lists(dataset: datasets.Dataset, column: str) -> list[np.ndarray]:
     return [row.astype(np.int64) for chunk in chunks for row in chunk.to_numpy(False)]
 
 
+@contextlib.contextmanager
+def environment_kept() -> Iterator[None]:
+    """Keep the process's ``os.environ`` (the object and its contents) across the block.
+
+    ``Dataset.map`` with ``num_proc`` sets ``TOKENIZERS_PARALLELISM`` for its workers and
+    then rebinds ``os.environ`` to a copy taken before: whoever holds the real mapping (or
+    later removes a variable from it) would no longer see what subprocesses inherit.
+    """
+    environ, saved = os.environ, dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ = environ  # noqa: B003 -- rebinding back to the real mapping is the point
+        for name in set(environ) - set(saved):
+            del environ[name]
+        environ.update(saved)
+
+
 def read_with_datasets(
     path: str, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, options: ReadOptions
 ) -> tuple[list[Example], Truncation, TokenCache]:
@@ -245,17 +265,18 @@ def read_with_datasets(
     cache_dir.mkdir(parents=True, exist_ok=True)
     before = set(os.listdir(cache_dir))
     encode = RowEncoder(tokenizer, layout, path, max_seq_len, options.train_tool_turns)
-    tokenized = dataset.map(
-        encode,
-        with_indices=True,
-        batched=True,
-        remove_columns=dataset.column_names,
-        features=FEATURES,
-        num_proc=options.num_proc if options.num_proc > 1 else None,
-        cache_file_name=str(cache_dir / f"sft-{key}.arrow"),
-        new_fingerprint=key,
-        desc=f"Tokenizing {path}",
-    )
+    with environment_kept():
+        tokenized = dataset.map(
+            encode,
+            with_indices=True,
+            batched=True,
+            remove_columns=dataset.column_names,
+            features=FEATURES,
+            num_proc=options.num_proc if options.num_proc > 1 else None,
+            cache_file_name=str(cache_dir / f"sft-{key}.arrow"),
+            new_fingerprint=key,
+            desc=f"Tokenizing {path}",
+        )
     files = tuple(f["filename"] for f in tokenized.cache_files)
     cache = TokenCache(files, reused=bool(files) and all(Path(f).name in before for f in files))
     log.info(
