@@ -11,18 +11,27 @@ exit status 0. The only changes: training commands that set no ``train.max_steps
 venv again). A command written twice (``make demo`` opens both docs) runs once. Commands
 that cannot run here are in ``NOT_RUN`` with the reason, and each of them must still be in
 the docs.
+
+A command that is one ``.venv/bin/python -m MODULE ARGS`` with nothing else for the shell to
+do runs as ``bash`` would start it, but forked from the test process's preloaded server
+(``tests/forkserver.py``) with the words ``bash`` expands it to. The server has imported
+this checkout's library, so this is done only when the checkout's files are the clone's
+(``HEAD`` cloned, nothing uncommitted); otherwise every command runs with ``bash``.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/getting_started.md")
@@ -76,6 +85,11 @@ SHORT_RESUMED = "train.max_steps=200"
 TRAINING = re.compile(r"(-m tasks\.(sft|dpo|multi_lora)|veoptim-(sft|dpo|multi-lora))(\s|$)")
 LENGTH_SET = ("train.max_steps=", "train.epochs=", "run.dry_run=true", "--help")
 BLOCK = re.compile(r"^```bash\n(.*?)^```", re.M | re.S)
+#: Outside quotes, what makes a command more than one simple command: operators,
+#: redirections, subshells. (``$`` and backticks anywhere: substitutions.)
+OPERATORS = re.compile(r"[|&;<>()]")
+SUBSTITUTIONS = ("$", "`")
+PYTHON_M = [".venv/bin/python", "-m"]
 
 
 def strip_comment(line: str) -> str:
@@ -113,6 +127,45 @@ def as_run(command: str) -> str:
     return command
 
 
+def python_module(run: str, cwd: Path) -> tuple[str, list[str]] | None:
+    """``(module, args)`` if ``run`` is one simple ``.venv/bin/python -m MODULE ARGS``
+    command, its words as ``bash`` expands them in ``cwd`` (quotes, globs); else None."""
+    if any(s in run for s in SUBSTITUTIONS):
+        return None
+    lexer = shlex.shlex(run, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    if any(OPERATORS.fullmatch(token[0]) for token in lexer if token):
+        return None
+    words = subprocess.run(
+        ["bash", "-c", f"set -- {run}; printf '%s\\0' \"$@\""],
+        cwd=cwd, capture_output=True, text=True, check=True,
+    ).stdout.split("\0")[:-1]  # fmt: skip
+    if words[:2] != PYTHON_M or len(words) < 3:
+        return None
+    return words[2], words[3:]
+
+
+def checkout_is_the_clone() -> bool:
+    """Whether this checkout's files are those of the clone the test makes."""
+    if REF != "HEAD":
+        return False
+    status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"],
+                            capture_output=True, text=True, check=True)  # fmt: skip
+    return status.stdout == ""
+
+
+def run_command(run: str, cwd: Path, env: dict[str, str], fork: bool) -> tuple[int, str]:
+    """Run ``run`` as ``bash -c`` would (forked where ``fork`` and :func:`python_module`
+    allow); its exit status and its output."""
+    module = python_module(run, cwd) if fork else None
+    if module is not None:
+        proc = forkserver.run_module(*module, cwd=cwd, env=env, timeout=600)
+    else:
+        proc = subprocess.run(["bash", "-c", run], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def test_the_walkthrough_extracts_commands_and_every_skip_is_in_the_docs():
     """Fast guard: blocks are found, and ``NOT_RUN`` names only commands the docs contain."""
     found = [c for doc in DOCS for c in commands((REPO / doc).read_text())]
@@ -122,6 +175,31 @@ def test_the_walkthrough_extracts_commands_and_every_skip_is_in_the_docs():
     assert as_run("x -m tasks.sft a=1") == f"x -m tasks.sft a=1 {SHORT}"
     assert as_run("x -m tasks.sft train.epochs=3") == "x -m tasks.sft train.epochs=3"
     assert strip_comment("a 'b # c' # d") == "a 'b # c'"
+
+
+def test_only_one_simple_python_module_command_is_forked(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "a.txt").write_text("")
+    module = python_module
+    assert module(".venv/bin/python -m tasks.generate x --prompt \"What is 12+30?\"",
+                  tmp_path) == ("tasks.generate", ["x", "--prompt", "What is 12+30?"])  # fmt: skip
+    assert module(".venv/bin/python -m m 'a=[mlp]' runs/*.txt", tmp_path) == (
+        "m",
+        ["a=[mlp]", "runs/a.txt"],
+    )
+    for not_simple in (
+        ".venv/bin/python -m m a; rm -rf runs",
+        ".venv/bin/python -m m a && echo done",
+        ".venv/bin/python -m m a | tee log",
+        ".venv/bin/python -m m a > log",
+        ".venv/bin/python -m m $HOME",
+        "X=1 .venv/bin/python -m m",
+        ".venv/bin/python scripts/sweep_report.py runs",
+        ".venv/bin/torchrun -m tasks.sft",
+        "make demo",
+    ):
+        assert module(not_simple, tmp_path) is None, not_simple
+    assert (tmp_path / "runs").is_dir()
 
 
 @pytest.mark.slow
@@ -137,23 +215,17 @@ def test_every_readme_and_getting_started_command_runs_in_order_on_a_fresh_clone
     env.update(
         HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1"
     )
+    fork = checkout_is_the_clone()
     failures, ran, started = [], [], time.monotonic()
     for doc in DOCS:
         for command in commands((clone / doc).read_text()):
             run = as_run(command)
             if command in NOT_RUN or run in {r.split(": ", 1)[1] for r in ran}:
                 continue
-            proc = subprocess.run(
-                ["bash", "-c", run],
-                cwd=clone,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
+            status, output = run_command(run, clone, env, fork)
             ran.append(f"{time.monotonic() - started:6.1f}s {doc}: {run}")
-            if proc.returncode != 0:
-                tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-                failures.append(f"{doc}: {run}\n  exit {proc.returncode}: " + "\n  ".join(tail))
+            if status != 0:
+                tail = output.strip().splitlines()[-3:]
+                failures.append(f"{doc}: {run}\n  exit {status}: " + "\n  ".join(tail))
     print("\n".join(ran))
     assert not failures, "\n".join(failures)
