@@ -23,6 +23,7 @@ from tasks.sweep_report import (
     smooth,
     table_rows,
 )
+from tests import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "sweep_report.py"
@@ -58,11 +59,11 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``python -m tasks.sft -m optim.lr=1e-3,3e-3``: jobs 0 and 1 of a 6-step CPU run."""
     tmp = tmp_path_factory.mktemp("sweep")
     sweep_dir = tmp / "sw"
-    cmd = [sys.executable, "-m", "tasks.sft", "-m", "optim.lr=1e-3,3e-3", f"run.dir={sweep_dir}",
-           "run.device=cpu", "train.max_steps=6", "scheduler.warmup_steps=0",
-           "train.global_batch_size=4", "train.micro_batch_size=4", "logging.progress=false",
-           "export.hf=false", "checkpoint.save_at_end=false"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=ENV, timeout=300)
+    args = ["-m", "optim.lr=1e-3,3e-3", f"run.dir={sweep_dir}",
+            "run.device=cpu", "train.max_steps=6", "scheduler.warmup_steps=0",
+            "train.global_batch_size=4", "train.micro_batch_size=4", "logging.progress=false",
+            "export.hf=false", "checkpoint.save_at_end=false"]  # fmt: skip
+    proc = forkserver.run_module("tasks.sft", args, cwd=tmp, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep_dir
 
@@ -202,11 +203,11 @@ def test_a_sweep_written_into_a_run_dir_reports_the_run_and_every_job(sweep, tmp
     """README's flow: ``make demo`` writes runs/sft, then ``python -m tasks.sft -m
     optim.lr=1e-3,3e-3`` writes runs/sft/0 and runs/sft/1: all three are reported."""
     root = tmp_path / "sft"
-    cmd = [sys.executable, "-m", "tasks.sft", f"run.dir={root}", "run.device=cpu",
-           "train.max_steps=3", "scheduler.warmup_steps=0", "train.global_batch_size=4",
-           "train.micro_batch_size=4", "logging.progress=false", "export.hf=false",
-           "checkpoint.save_at_end=false"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+    args = [f"run.dir={root}", "run.device=cpu",
+            "train.max_steps=3", "scheduler.warmup_steps=0", "train.global_batch_size=4",
+            "train.micro_batch_size=4", "logging.progress=false", "export.hf=false",
+            "checkpoint.save_at_end=false"]  # fmt: skip
+    proc = forkserver.run_module("tasks.sft", args, cwd=tmp_path, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for job in ("0", "1"):  # the sweep's real job dirs, as the sweep writes them under root
         shutil.copytree(sweep / job, root / job)

@@ -40,6 +40,7 @@ from veoptim.data.sft import (
     to_examples,
 )
 from veoptim.data.sources import ReadOptions, TokenCache
+from veoptim.data.tokenizer import tokenizer_identity
 from veoptim.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -162,20 +163,6 @@ def open_dataset(
         ) from error
 
 
-def _tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
-    """What decides the tokens: vocabulary and merges, added and special tokens, template."""
-    backend = (
-        tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(tokenizer.get_vocab())
-    )
-    parts = [
-        type(tokenizer).__name__,
-        backend,
-        tokenizer.chat_template,
-        tokenizer.special_tokens_map,
-    ]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def cache_key(
     dataset: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -194,7 +181,7 @@ def cache_key(
         layout.content_tag,
         max_seq_len,
         train_tool_turns,
-        _tokenizer_identity(tokenizer),
+        tokenizer_identity(tokenizer),
     ]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:40]
 

@@ -33,6 +33,7 @@ from veoptim.data.chat_format import ROLE_ASSISTANT, ROLE_TOOL
 from veoptim.data.fields import IGNORE_INDEX, INPUT_IDS, LABELS
 from veoptim.data.packing import Example
 from veoptim.data.records import Conversation, Message
+from veoptim.data.token_memo import TOKENIZED, memo_key
 from veoptim.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -194,10 +195,21 @@ def tokenize_conversations(
     with ``last_turn_only``), truncated to ``max_seq_len``, of conversations read from the
     JSONL file ``path``.
 
-    Returns the examples and what truncation cut off.
+    Returns the examples and what truncation cut off. Conversations this process has
+    tokenized before with the same tokenizer and settings are not rendered again
+    (:mod:`veoptim.data.token_memo`).
     """
+    messages = [c.messages for c in conversations]
+    key = memo_key(messages, tokenizer, max_seq_len=max_seq_len, last_turn_only=last_turn_only,
+                   train_tool_turns=train_tool_turns)  # fmt: skip
+    kept = TOKENIZED.get(key)
+    if kept is not None:
+        input_ids, labels, truncation = kept
+        log.info("%s: the same conversations were tokenized earlier in this process; "
+                 "reusing those tokens.", path)  # fmt: skip
+        return to_examples(input_ids, labels), truncation
     columns = encode_conversations(
-        [c.messages for c in conversations],
+        messages,
         [f"{path}:{c.line}" for c in conversations],
         tokenizer,
         max_seq_len,
@@ -205,6 +217,7 @@ def tokenize_conversations(
         train_tool_turns,
     )
     truncation = summarize_truncation(columns[NUM_TOKENS], columns[FIRST_TRAINED], max_seq_len)
+    TOKENIZED.put(key, columns[INPUT_IDS], columns[LABELS], truncation)
     return to_examples(columns[INPUT_IDS], columns[LABELS]), truncation
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from veoptim.data.paths import bundled_tokenizer_dir
 from veoptim.errors import DataError
@@ -105,3 +106,17 @@ def special_token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
     return {
         key: getattr(tokenizer, key) for key in keys if getattr(tokenizer, key, None) is not None
     }
+
+
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    """What decides the tokens: vocabulary and merges, added and special tokens, template."""
+    backend = (
+        tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(tokenizer.get_vocab())
+    )
+    parts = [
+        type(tokenizer).__name__,
+        backend,
+        tokenizer.chat_template,
+        tokenizer.special_tokens_map,
+    ]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
