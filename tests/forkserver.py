@@ -5,7 +5,8 @@ and the trainer import), which dominates the tests that run ranks or task comman
 2-core machine. So each pytest process starts one server (multiprocessing's
 ``forkserver``) that imports :data:`PRELOAD` once, and a rank (``spawn.py``) or a task
 command (:func:`run_module`, :class:`ForkedModule`) is a fork of it. A fork starts with
-no state of any earlier rank, command or test: the server only imports.
+no state of any earlier rank, command or test: the server only imports, and tokenizes the
+bundled data once (``forkserver_warm.py``) as any process may keep it for later reads.
 
 A command forked here behaves as ``python -m MODULE ARGS`` started with the same
 environment: ``sys.argv``, ``sys.path``, the working directory and the environment are
@@ -57,14 +58,17 @@ PRELOAD = [
     "pytest",
     "tests.distributed.spawn",
     "tests.forkserver",
+    "tests.forkserver_warm",
 ]
 
 #: Environment variables (names and prefixes) read while the preloaded modules import:
 #: thread pools, the Hub's and transformers' paths and modes, interpreter settings. (Not
-#: switches a run sets for itself, e.g. progress bars, which a test process may have set.)
+#: switches a run sets for itself, e.g. progress bars, which a test process may have set;
+#: nor ``datasets``' own variables: the server does not import ``datasets``, which
+#: ``test_forkserver.py`` checks.)
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "TORCH_", "CUDA_", "HF_HOME", "HF_HUB_", "HF_TOKEN",
-                   "HF_ENDPOINT", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "TRANSFORMERS_",
-                   "TOKENIZERS_", "PYTHON", "LD_", "MALLOC")  # fmt: skip
+                   "HF_ENDPOINT", "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_",
+                   "MALLOC")  # fmt: skip
 #: Interpreter settings a fork applies as the interpreter does at start (``sys.path``,
 #: unbuffered standard streams, the fault handler).
 APPLIED_IN_FORK = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")

@@ -26,7 +26,9 @@ print(json.dumps({
     "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[:2], "name": __name__,
     "env": os.environ.get("PROBE_VALUE"), "preloaded": sorted(m for m in sys.modules if m in
     ("torch", "transformers", "veoptim.trainer.trainer", "veoptim.models.build",
-     "veoptim.service.server"))}), flush=True)
+     "veoptim.service.server", "datasets")),
+    "memo": len(sys.modules["veoptim.data.token_memo"].TOKENIZED)
+            if "veoptim.data.token_memo" in sys.modules else 0}), flush=True)
 atexit.register(lambda: Path("atexit.txt").write_text("ran"))
 threading.Thread(target=lambda: (time.sleep(0.3), Path("thread.txt").write_text("ran"))).start()
 mode = sys.argv[1]
@@ -72,10 +74,18 @@ def test_a_fork_runs_a_module_as_a_new_interpreter_does(tmp_path):
     assert (fresh.stderr, fork.stderr) == ("to stderr\n", "to stderr\n")
     fresh_report, fork_report = _report(fresh, tmp_path / "fresh"), _report(fork, tmp_path / "fork")
     assert fresh_report["preloaded"] == []  # the control: a new interpreter imports nothing
+    # not datasets: its HF_DATASETS_* variables are read when a command imports it
     assert fork_report["preloaded"] == [
         "torch", "transformers", "veoptim.models.build", "veoptim.service.server",
         "veoptim.trainer.trainer"]  # fmt: skip
-    del fresh_report["preloaded"], fork_report["preloaded"]
+    # the bundled SFT data and both sides of the bundled pairs, tokenized by the server
+    assert (fresh_report["memo"], fork_report["memo"]) == (0, 3)
+    del (
+        fresh_report["preloaded"],
+        fork_report["preloaded"],
+        fresh_report["memo"],
+        fork_report["memo"],
+    )
     assert fork_report == fresh_report
     assert fork_report["argv"] == ["<run>/probe_module.py", "3"]
     assert fork_report["path0"] == ["<run>", str(REPO)] and fork_report["name"] == "__main__"
@@ -131,7 +141,7 @@ from tests import forkserver
 forkserver.PRELOAD[:] = []  # the start environment is the point, not the imports
 forkserver.set_start_environment(os.environ)
 baseline = dict(os.environ)
-os.environ["HF_DATASETS_CACHE"] = "/tmp/a_tests_own_cache"  # as monkeypatch.setenv would
+os.environ["HF_HOME"] = "/tmp/a_tests_own_hf_home"  # as monkeypatch.setenv would
 forkserver.context()
 print(forkserver.unforkable_keys(baseline), forkserver.unforkable_keys(os.environ))
 """
@@ -143,4 +153,4 @@ def test_the_server_starts_under_the_start_environment_not_a_tests_changes():
     proc = subprocess.run([sys.executable, "-c", FIRST_START], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "[] ['HF_DATASETS_CACHE']"
+    assert proc.stdout.strip() == "[] ['HF_HOME']"

@@ -85,6 +85,9 @@ class TokenMemo:
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def clear(self) -> None:
         self._entries.clear()
         self.hits = self.misses = 0
