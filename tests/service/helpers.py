@@ -166,6 +166,7 @@ class InProcessServer(Served):
         from tasks.compose import load_config
         from veoptim.service.app import create_app
         from veoptim.service.runtime import Service
+        from veoptim.service.server import uvicorn_config
 
         run_dir.mkdir(parents=True, exist_ok=True)
         keys = write_keys(run_dir / "keys.txt")
@@ -175,9 +176,7 @@ class InProcessServer(Served):
         super().__init__(f"http://{HOST}:{port}", keys, run_dir)
         self.service = Service(cfg)
         self.service.start()
-        config = uvicorn.Config(create_app(self.service), host=HOST, port=port, log_config=None,
-                                access_log=False, lifespan="off")  # fmt: skip
-        self.uvicorn = uvicorn.Server(config)
+        self.uvicorn = uvicorn.Server(uvicorn_config(create_app(self.service), HOST, port))
         self._thread = threading.Thread(target=self.uvicorn.run, daemon=True)
         self._thread.start()
         wait_healthy(self.url, 30)

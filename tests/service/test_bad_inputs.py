@@ -4,6 +4,8 @@ against the slot state of every live slot of a server in this process."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 from typing import Any
 
 import numpy as np
@@ -192,3 +194,26 @@ def test_a_retried_submission_gets_its_first_future(server, live):
     seq[0] += 1
     assert first.status_code == again.status_code == 200 and first.json() == again.json()
     assert other.status_code == 400 and "already used" in other.json()["detail"]
+
+
+def test_each_request_is_one_log_line_with_tenant_status_and_model_never_the_key(
+    server, live, caplog
+):
+    caplog.set_level(logging.INFO, logger="veoptim.service")
+    refused = live["http"].post(
+        "/optim_step", json={"model_id": "nope", "seq_id": 1, "adam_params": {}}
+    )
+    with server.http(None) as anonymous:
+        assert anonymous.get("/get_server_capabilities").status_code == 401
+    assert refused.status_code == 404
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
+    assert len(lines) == 2
+    assert re.fullmatch(
+        r"request tenant=alice endpoint=POST /api/v1/optim_step model=nope seq_id=- "
+        r"status=404 ms=\d+\.\d", lines[0]
+    )  # fmt: skip
+    assert re.fullmatch(
+        r"request tenant=- endpoint=GET /api/v1/get_server_capabilities model=- seq_id=- "
+        r"status=401 ms=\d+\.\d", lines[1]
+    )  # fmt: skip
+    assert not any(key in line for key in server.keys.values() for line in lines)

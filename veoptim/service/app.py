@@ -30,22 +30,41 @@ log = logging.getLogger("veoptim.service")
 API = "/api/v1"
 
 
+class RequestLog:
+    """One log line per request (tenant, endpoint, model, seq_id, status, ms), which the
+    routes fill in through ``request.state``. A plain ASGI wrapper: Starlette's
+    ``BaseHTTPMiddleware`` runs every request through an extra task and memory streams."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.monotonic(), 500
+        state = scope.setdefault("state", {})
+        state.update(tenant="-", model="-", seq="-")
+
+        async def send_noting_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            log.info("request tenant=%s endpoint=%s %s model=%s seq_id=%s status=%d ms=%.1f",
+                     state["tenant"], scope["method"], scope["path"], state["model"],
+                     state["seq"], status, 1000 * (time.monotonic() - start))  # fmt: skip
+
+
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="veoptim training service", docs_url=None, redoc_url=None)
     db, engine, backend, cfg = service.db, service.engine, service.backend, service.cfg
 
-    @app.middleware("http")
-    async def log_and_refuse(request: Request, call_next: Any) -> Response:
-        start = time.monotonic()
-        request.state.tenant, request.state.model, request.state.seq = "-", "-", "-"
-        try:
-            response = await call_next(request)
-        except ServiceError as exc:
-            response = JSONResponse({"detail": exc.message}, status_code=exc.status)
-        log.info("request tenant=%s endpoint=%s %s model=%s seq_id=%s status=%d ms=%.1f",
-                 request.state.tenant, request.method, request.url.path, request.state.model,
-                 request.state.seq, response.status_code, 1000 * (time.monotonic() - start))  # fmt: skip
-        return response
+    app.add_middleware(RequestLog)
 
     @app.exception_handler(ServiceError)
     async def refused(request: Request, exc: ServiceError) -> JSONResponse:

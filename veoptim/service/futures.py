@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,17 +42,14 @@ class FutureTable:
         self.db, self.max_pending = database, max_pending_per_tenant
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
+        self._pending: Counter[int] = Counter()  # tenant id -> its pending futures
 
     def create(self, tenant_id: int, model_id: str | None, kind: str, *,
                limited: bool = True) -> Future:  # fmt: skip
         """A new pending future; past the tenant's limit refused, unless not ``limited``
         (a model's next request: it can run at once and unblocks the ones waiting on it)."""
         with self._lock:
-            pending = sum(
-                1
-                for f in self._futures.values()
-                if f.tenant_id == tenant_id and f.status == D.PENDING
-            )
+            pending = self._pending[tenant_id]
             if limited and pending >= self.max_pending:
                 raise ServiceError(
                     f"this tenant already has {pending} unfinished requests, the limit "
@@ -59,6 +57,7 @@ class FutureTable:
                 )
             future = Future(uuid.uuid4().hex, tenant_id, model_id, kind)
             self._futures[future.id] = future
+            self._pending[tenant_id] += 1
         self.db.execute(
             "INSERT INTO futures (id, tenant_id, model_id, kind, status, created) "
             "VALUES (?, ?, ?, ?, ?, ?)",
@@ -79,6 +78,7 @@ class FutureTable:
             for key, value in values.items():
                 setattr(future, key, value)
             future.status, future.finished_at = status, time.time()
+            self._pending[future.tenant_id] -= 1
             waiters, future.waiters = future.waiters, []
         self.db.execute(
             "UPDATE futures SET status = ?, category = ?, error = ?, finished = ? WHERE id = ?",
