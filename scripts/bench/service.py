@@ -18,6 +18,9 @@ client is its own process (the pinned ``tinker`` SDK) with its own slot and
   steps). Goal: 16 clients >= 0.8x in process: the server's batching across tenants must
   carry the API's cost. Each run also reports the CPU seconds of the server and of the
   clients (they share the machine's cores with the server).
+- Each ratio's in-process figure is measured just before and just after the SDK run it
+  divides (both reported; the ratio uses their mean): the speed of a shared VM drifts by
+  10-15% over minutes.
 
 - Sampling: sampled tokens/s of 1, 4 and 16 concurrent sampling clients, each sampling
   its own sampler snapshot (``--max-tokens`` per request, one sample, temperature 1,
@@ -30,11 +33,13 @@ client is its own process (the pinned ``tinker`` SDK) with its own slot and
   waiting for the last, vs the same calls on ``SlotTrainer`` in process (``save_slot``
   without optimizer + ``export_slot`` + ``load_slot`` into a sampler slot, ``sample_tokens``,
   ``forward_tokens``, ``optim_step_clipped``).
+- HTTP: the server's CPU per request of three calls with no model work (``healthz``,
+  ``get_server_capabilities``, ``session_heartbeat``), ``--requests`` of each in a row.
 
-``--parts`` picks among ``train``, ``sample`` and ``rl`` (default all). Prints one JSON line
-(medians over ``--rounds`` after ``--warmup``).
+``--parts`` picks among ``http``, ``train``, ``sample`` and ``rl`` (default all). Prints one
+JSON line (medians over ``--rounds`` after ``--warmup``).
 
-    .venv/bin/python scripts/bench/service.py [--hidden 384] [--layers 4] [--rank 16] [--rows 4] [--rounds 8] [--clients 1,4,16] [--submit-ahead 1] [--parts train,sample,rl] [--max-tokens 16] [--group 4]
+    .venv/bin/python scripts/bench/service.py [--hidden 384] [--layers 4] [--rank 16] [--rows 4] [--rounds 8] [--clients 1,4,16] [--submit-ahead 1] [--parts http,train,sample,rl] [--max-tokens 16] [--group 4] [--requests 2000]
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from statistics import median
+from statistics import mean, median
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
@@ -261,55 +266,70 @@ def rl_main(url: str, key: str, rounds: int, warmup: int, rank: int, max_tokens:
 ADAM = {"lr": LR, "betas": (0.9, 0.95), "eps": 1e-12, "weight_decay": 0.0}  # the SDK's defaults
 
 
-def in_process(args: argparse.Namespace, run_dir: Path, parts: set[str]) -> dict[str, Any]:
-    """The benchmark's parts on ``SlotTrainer`` in this process, 16 slots seeded 0..15."""
+def in_process(
+    args: argparse.Namespace, run_dir: Path, parts: set[str]
+) -> tuple[dict[str, Any], Any]:
+    """The benchmark's parts on ``SlotTrainer`` in this process, 16 slots seeded 0..15: the
+    sampling and RL figures, and the training rounds (measured later, around the SDK runs
+    they are compared with)."""
     from tasks.compose import load_config
     from veoptim.lora.slots import SlotTrainer
 
+    if not parts & {"train", "sample", "rl"}:
+        return {}, None
     cfg = load_config("serve", [f"run.dir={run_dir}", *overrides(args)])
     trainer = SlotTrainer.from_config(cfg)
     for s in range(SLOTS):
         trainer.create_slot(s, r=args.rank, seed=s)
     out: dict[str, Any] = {}
-    if "train" in parts:
-        out["train"] = in_process_training(args, trainer)
+    training = TrainingRounds(args, trainer) if "train" in parts else None
     if "sample" in parts:
         out["sample"] = in_process_sampling(args, trainer)
     if "rl" in parts:
         out["rl"] = in_process_rl(args, trainer)
-    return out
+    return out, training
 
 
-def in_process_training(args: argparse.Namespace, trainer: Any) -> dict[str, Any]:
-    import numpy as np
+class TrainingRounds:
+    """The training rounds of the clients, in process: one slot's rows, and the 16 slots'
+    rows as one batch followed by 16 optimizer steps. A ratio's baseline is measured just
+    before and just after the SDK run it divides (their mean), as this VM's speed drifts
+    by 10-15% over minutes."""
 
-    from veoptim.lora.slots.tokens import forward_tokens, optim_step_clipped
-    from veoptim.service.backend import build_batch
-    from veoptim.service.losses import get_loss
-    from veoptim.service.wire import Datum
+    def __init__(self, args: argparse.Namespace, trainer: Any) -> None:
+        import numpy as np
 
-    loss = get_loss("cross_entropy", {})
-    rows = {s: [Datum(np.array(t, np.int64), {"target_tokens": np.array(y, np.int64),
-                                              "weights": np.array(w, np.float32)})
-                for t, y, w in examples(s, args.rows)]
-            for s in range(SLOTS)}  # fmt: skip
+        from veoptim.service.losses import get_loss
+        from veoptim.service.wire import Datum
 
-    def run(slots: list[int]) -> tuple[float, int]:
+        self.args, self.trainer = args, trainer
+        self.loss = get_loss("cross_entropy", {})
+        self.rows = {s: [Datum(np.array(t, np.int64), {"target_tokens": np.array(y, np.int64),
+                                                       "weights": np.array(w, np.float32)})
+                         for t, y, w in examples(s, args.rows)]
+                     for s in range(SLOTS)}  # fmt: skip
+        for _ in range(args.warmup):
+            self.run([0])
+            self.run(list(range(SLOTS)))
+
+    def run(self, slots: list[int]) -> tuple[float, int]:
+        from veoptim.lora.slots.tokens import forward_tokens, optim_step_clipped
+        from veoptim.service.backend import build_batch
+
         start = time.perf_counter()
-        batch = build_batch([(s, d) for s in slots for d in rows[s]], loss)
-        forward_tokens(trainer, batch, loss.row_losses, backward=True)
+        batch = build_batch([(s, d) for s in slots for d in self.rows[s]], self.loss)
+        forward_tokens(self.trainer, batch, self.loss.row_losses, backward=True)
         for s in slots:
-            optim_step_clipped(trainer, s, 0.0, **ADAM)
-        return time.perf_counter() - start, sum(d.tokens.shape[0] for s in slots for d in rows[s])
+            optim_step_clipped(self.trainer, s, 0.0, **ADAM)
+        tokens = sum(d.tokens.shape[0] for s in slots for d in self.rows[s])
+        return time.perf_counter() - start, tokens
 
-    for _ in range(args.warmup):
-        run([0])
-        run(list(range(SLOTS)))
-    one = [run([0])[0] for _ in range(args.rounds)]
-    many = [run(list(range(SLOTS))) for _ in range(args.rounds)]
-    seconds = median(t for t, _ in many)
-    return {"one_slot_round_s": round(median(one), 4), "sixteen_slots_round_s": round(seconds, 4),
-            "sixteen_slots_tokens_per_s": round(many[0][1] / seconds, 1)}  # fmt: skip
+    def one_slot_round_s(self) -> float:
+        return median(self.run([0])[0] for _ in range(self.args.rounds))
+
+    def sixteen_slots_tokens_per_s(self) -> float:
+        many = [self.run(list(range(SLOTS))) for _ in range(self.args.rounds)]
+        return many[0][1] / median(t for t, _ in many)
 
 
 def in_process_sampling(args: argparse.Namespace, trainer: Any) -> dict[str, Any]:
@@ -437,6 +457,60 @@ def sampling_clients(args: argparse.Namespace, url: str, key: str, paths: list[s
     return {"clients": count, "submit_ahead": args.submit_ahead, **summary(results, server_cpu)}
 
 
+def training_runs(args: argparse.Namespace, rounds: TrainingRounds, url: str, key: str,
+                  counts: list[int], work: Path, server_pid: int) -> dict[str, Any]:  # fmt: skip
+    """The round trip and the throughput runs, each ratio against the in-process rounds
+    measured just before and after its run."""
+    one = [rounds.one_slot_round_s()]
+    latency = training_clients(args, url, key, 1, 0, work, server_pid)
+    one.append(rounds.one_slot_round_s())
+    runs, many = [], []
+    for n in counts:
+        if n == SLOTS:
+            many.append(rounds.sixteen_slots_tokens_per_s())
+        runs.append(training_clients(args, url, key, n, args.submit_ahead, work, server_pid))
+        if n == SLOTS:
+            many.append(rounds.sixteen_slots_tokens_per_s())
+    by_count = {r["clients"]: r for r in runs}
+    direct = {"one_slot_round_s_before_after": [round(t, 4) for t in one],
+              "sixteen_slots_tokens_per_s_before_after": [round(t, 1) for t in many]}  # fmt: skip
+    return {
+        "in_process_train": direct, "sdk_round_trip": latency, "sdk": runs,
+        "round_trip_ratio_sdk_vs_in_process": round(latency["round_s_median"] / mean(one), 3),
+        "throughput_ratio_16_clients_vs_in_process": (
+            round(by_count[SLOTS]["tokens_per_s"] / mean(many), 3) if many else None),
+    }  # fmt: skip
+
+
+def http_costs(url: str, key: str, requests: int, server_pid: int) -> dict[str, Any]:
+    """The server's CPU and the wall time per request of three calls without model work,
+    ``requests`` of each in a row from one keep-alive connection: ``healthz`` (no key),
+    ``get_server_capabilities`` (the key looked up), ``session_heartbeat`` (a database
+    write)."""
+    import httpx
+
+    with httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": key}) as http:
+        session = http.post("/create_session", json={"tags": []}).json()["session_id"]
+        calls = {
+            "healthz": lambda: http.get("/healthz"),
+            "get_server_capabilities": lambda: http.get("/get_server_capabilities"),
+            "session_heartbeat": lambda: http.post("/session_heartbeat",
+                                                   json={"session_id": session}),
+        }  # fmt: skip
+        out = {}
+        for name, call in calls.items():
+            for _ in range(50):
+                call().raise_for_status()
+            cpu, start = cpu_seconds(server_pid), time.perf_counter()
+            for _ in range(requests):
+                call()
+            wall, cpu = time.perf_counter() - start, cpu_seconds(server_pid) - cpu
+            out[name] = {"server_cpu_us_per_request": round(1e6 * cpu / requests),
+                         "wall_us_per_request": round(1e6 * wall / requests)}  # fmt: skip
+        http.post(f"/sessions/{session}/finish", json={"reason": "success"})
+    return out
+
+
 def one_client(*command: str) -> None:
     subprocess.run([sys.executable, __file__, *command], env=client_env(), check=True, timeout=1200)
 
@@ -461,20 +535,21 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--submit-ahead", type=int, default=1,
                         help="requests each client keeps submitted in the throughput runs")  # fmt: skip
-    parser.add_argument("--parts", default="train,sample,rl")
+    parser.add_argument("--parts", default="http,train,sample,rl")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per sample")
     parser.add_argument("--group", type=int, default=4, help="samples per RL step")
+    parser.add_argument("--requests", type=int, default=2000, help="per call of --parts http")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"train", "sample", "rl"}:
-        parser.error(f"--parts takes train, sample and rl; got {args.parts}")
+    if not parts <= {"http", "train", "sample", "rl"}:
+        parser.error(f"--parts takes http, train, sample and rl; got {args.parts}")
     counts = [int(n) for n in args.clients.split(",")]
     if max(counts) > SLOTS:
         parser.error(f"--clients: at most {SLOTS} (the server's slots)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(tempfile.mkdtemp(prefix="veoptim-service-bench-"))
     load_start = os.getloadavg()[0]
-    direct = in_process(args, work / "in_process", parts)
+    direct, training = in_process(args, work / "in_process", parts)
     key = "tml-bench-" + os.urandom(16).hex()
     (work / "keys.txt").write_text(f"bench {key}\n")
     port = free_port()
@@ -502,17 +577,10 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
+        if "http" in parts:
+            report["http"] = http_costs(url, key, args.requests, server.pid)
         if "train" in parts:
-            latency = training_clients(args, url, key, 1, 0, work, server.pid)
-            runs = [training_clients(args, url, key, n, args.submit_ahead, work, server.pid)
-                    for n in counts]  # fmt: skip
-            by_count = {r["clients"]: r for r in runs}
-            report.update({"sdk_round_trip": latency, "sdk": runs,
-                "round_trip_ratio_sdk_vs_in_process": round(
-                    latency["round_s_median"] / direct["train"]["one_slot_round_s"], 3),
-                "throughput_ratio_16_clients_vs_in_process": round(
-                    by_count[SLOTS]["tokens_per_s"] / direct["train"]["sixteen_slots_tokens_per_s"],
-                    3) if SLOTS in by_count else None})  # fmt: skip
+            report.update(training_runs(args, training, url, key, counts, work, server.pid))
         if "sample" in parts:
             one_client("--publish", url, key, str(max(counts)), str(args.rank),
                        str(work / "snapshots.json"))  # fmt: skip
