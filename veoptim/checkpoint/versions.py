@@ -516,6 +516,10 @@ def _order_key(name: str, manifest: Manifest) -> tuple[int, int, int]:
     return (step, manifest.created_ns, int(name == manifest.name))
 
 
+#: How often :func:`newest_complete` scans a root whose names keep changing under it.
+RESCANS = 5
+
+
 def latest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> str | None:
     """The name of the newest complete checkpoint of ``kind`` in ``root``, or None.
 
@@ -530,8 +534,22 @@ def latest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> str | None:
 
 def newest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> tuple[str, Path] | None:
     """:func:`latest_complete`'s name and the version directory it resolved to (checked
-    complete once, here)."""
+    complete once, here).
+
+    A process saving into ``root`` meanwhile can move or prune every name a scan listed
+    before the scan reads it; a scan that finds nothing while the names changed under it
+    is repeated (at most :data:`RESCANS` times), so a reader does not take a busy root
+    for an empty one."""
     root = Path(root)
+    for _ in range(RESCANS):
+        before = published_names(root)
+        found = _scan_newest_complete(root, kind)
+        if found is not None or published_names(root) == before:
+            return found
+    return None
+
+
+def _scan_newest_complete(root: Path, kind: str) -> tuple[str, Path] | None:
     candidates: list[tuple[tuple[int, int, int], str]] = []
     for entry in _names_in(root):
         try:
