@@ -64,7 +64,9 @@ class HFExportCallback(Callback):
             self._export_adapter(trainer, name)
             return
         state = merged_state(trainer.model) if lora else full_model_state(trainer.model)
-        publisher = Publisher(trainer.run_dir / EXPORTS_SUBDIR, fsync=self.fsync)
+        publisher = Publisher(
+            trainer.run_dir / EXPORTS_SUBDIR, fsync=self.fsync, run=trainer.run_id
+        )
         step = trainer.progress.global_step
         with publisher.write(name, kind=KIND_HF_EXPORT, step=step, prunable=False) as out:
             if trainer.ctx.is_main:
@@ -84,5 +86,6 @@ class HFExportCallback(Callback):
         adapter = peft_adapter_state(trainer.model)  # collective
         path = publish_adapter(adapter, trainer.model, trainer.cfg, trainer.tokenizer,
                                trainer.run_dir / EXPORTS_SUBDIR, name, step=trainer.progress.global_step,
-                               fsync=self.fsync, is_main=trainer.ctx.is_main)  # fmt: skip
+                               fsync=self.fsync, is_main=trainer.ctx.is_main,
+                               run=trainer.run_id)  # fmt: skip
         log.info("exported the LoRA adapter (PEFT format) to %s", path)

@@ -402,10 +402,10 @@ def test_auto_resolves_once_and_checks_one_manifest(tmp_path: Path, monkeypatch)
         real_verify(version, *args, **kwargs)
 
     monkeypatch.setattr(layout, "verify", counting)
-    assert resolve_agreed(tmp_path, "auto") == newest
+    assert resolve_agreed(tmp_path, "auto").path == newest
     assert checked == [newest]
     checked.clear()
-    assert resolve_agreed(tmp_path, layout.step_name(2)) == newest
+    assert resolve_agreed(tmp_path, layout.step_name(2)).path == newest
     assert checked == [newest]
     assert resolve_agreed(tmp_path / "empty", "auto") is None
 

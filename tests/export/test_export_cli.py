@@ -32,7 +32,9 @@ def _trained_checkpoint(tmp: Path, overrides: list[str]):
     trainer = build_trainer(tmp / "run", ["train.max_steps=2", *overrides])
     trainer.train()
     root = tmp / "checkpoints"
-    save_with(Checkpointer(root, fsync=False), trainer, "final")
+    checkpointer = Checkpointer(root, fsync=False)
+    checkpointer.run = trainer.run_id  # the run's checkpoint: its exports record its run id
+    save_with(checkpointer, trainer, "final")
     return trainer, root / "final"
 
 

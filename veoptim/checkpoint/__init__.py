@@ -11,6 +11,7 @@
 
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
 from veoptim.checkpoint.versions import (
+    Resolved,
     latest_complete,
     resolve,
     resolve_agreed,
@@ -25,6 +26,7 @@ __all__ = [
     "PendingVersion",
     "Published",
     "Publisher",
+    "Resolved",
     "latest_complete",
     "resolve",
     "resolve_agreed",

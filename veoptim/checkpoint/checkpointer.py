@@ -67,7 +67,7 @@ from veoptim.checkpoint.publish import (
     Publisher,
     fire,
 )
-from veoptim.checkpoint.versions import KIND_CHECKPOINT, latest_complete, resolve_agreed
+from veoptim.checkpoint.versions import KIND_CHECKPOINT, Resolved, latest_complete, resolve_agreed
 from veoptim.distributed.agreement import agreed, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 
@@ -110,6 +110,15 @@ class Checkpointer:
             root, keep_last=keep_last, fsync=fsync, group=group, fault_hook=fault_hook
         )
         self._in_flight: tuple[PendingVersion, Future] | None = None
+
+    @property
+    def run(self) -> str | None:
+        """The run id every checkpoint it saves records (None until the run has one)."""
+        return self.publisher.run
+
+    @run.setter
+    def run(self, run_id: str | None) -> None:
+        self.publisher.run = run_id
 
     @property
     def fault_hook(self) -> FaultHook | None:
@@ -250,29 +259,31 @@ class Checkpointer:
         return files
 
     # ------------------------------------------------------------------ load
-    def latest(self) -> str | None:
-        """The newest complete checkpoint's name in the root (rank 0 looks; agreed)."""
+    def latest(self, run: str | None = None) -> str | None:
+        """The newest complete checkpoint's name in the root, of ``run`` (None: of any run);
+        rank 0 looks, agreed."""
         return on_rank0(
-            lambda: latest_complete(self.root),
+            lambda: latest_complete(self.root, run=run),
             f"listing the checkpoints in {self.root}",
             self.group,
         )
 
-    def resolve(self, ref: str) -> Path | None:
-        """The version directory of ``ref`` (``auto`` = newest complete checkpoint, a name or
-        a path), resolved once on rank 0 and agreed; None for ``auto`` in an empty root."""
-        return resolve_agreed(self.root, ref, self.group)
+    def resolve(self, ref: str, *, run: str | None = None) -> Resolved | None:
+        """The version of ``ref`` (``auto`` = the newest complete checkpoint ``run``
+        published, any run's when None; or a name or a path, whoever wrote it), resolved
+        once on rank 0 and agreed; None for ``auto`` when there is none."""
+        return resolve_agreed(self.root, ref, self.group, run=run)
 
     def restore(
-        self, components: Components, ref: str, *, exact: bool = True
-    ) -> tuple[Path, int] | None:
-        """Resolve ``ref`` once (agreed; ``auto`` = the newest complete checkpoint) and load
-        it into ``components``: the version and its step, or None for ``auto`` in a root
-        without a complete checkpoint. ``exact`` as for :meth:`load`."""
-        path = self.resolve(ref)
-        if path is None:
+        self, components: Components, ref: str, *, exact: bool = True, run: str | None = None
+    ) -> tuple[Resolved, int] | None:
+        """Resolve ``ref`` once (agreed; ``run`` as for :meth:`resolve`) and load it into
+        ``components``: the version and its step, or None for ``auto`` when there is no
+        complete checkpoint of ``run``. ``exact`` as for :meth:`load`."""
+        resolved = self.resolve(ref, run=run)
+        if resolved is None:
             return None
-        return path, self.load(components, path, exact=exact)
+        return resolved, self.load(components, resolved.path, exact=exact)
 
     def load(self, components: Components, path: Path, *, exact: bool = True) -> int:
         """Restore ``components`` from the resolved version ``path``; returns its step.

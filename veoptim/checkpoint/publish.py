@@ -169,6 +169,8 @@ class Publisher:
 
     ``group``: the process group whose ranks write together (None = default group, or a
     single process). ``keep_last``: how many prunable names of a kind to keep (0 = all).
+    ``run``: the run id every version it publishes records; retention then counts and
+    prunes only that run's names (another run's names in the root are kept).
     ``fault_hook``: called with each phase name (``PHASES``); tests inject faults with it.
     """
 
@@ -179,12 +181,14 @@ class Publisher:
         keep_last: int = 0,
         fsync: bool = True,
         group: Any = None,
+        run: str | None = None,
         fault_hook: FaultHook | None = None,
     ) -> None:
         if keep_last < 0:
             raise CheckpointError(f"keep_last must be >= 0 (0 = keep all), got {keep_last}.")
         self.root = Path(root)
         self.keep_last, self.fsync, self.group = keep_last, fsync, group
+        self.run = run
         self.fault_hook = fault_hook
 
     @property
@@ -199,6 +203,7 @@ class Publisher:
             keep_last=self.keep_last,
             fsync=self.fsync,
             group=self.group,
+            run=self.run,
             fault_hook=self.fault_hook,
         )
 
@@ -374,6 +379,7 @@ class PendingVersion:
             step=self.step,
             world_size=world_size(pub.group),
             prunable=self.prunable,
+            run=pub.run,
             files=files,
             known_sha256=self._written_sha256,
         )
@@ -447,6 +453,7 @@ class PendingVersion:
                 keep_last=pub.keep_last,
                 kind=self.kind,
                 keep_name=self.name,
+                run=pub.run,
                 fault_hook=pub.fault_hook,
             )
             if not pruned:  # prepare collected everything else this save could leave
@@ -562,13 +569,15 @@ def _best_effort(action: Callable[[], None], path: Path, removed: list[Path]) ->
         log.warning("Checkpoint cleanup could not remove %s (ignored): %s", path, exc)
 
 
-def _prunable(root: Path, kind: str) -> list[tuple[tuple[int, int], str]]:
+def _prunable(root: Path, kind: str, run: str | None) -> list[tuple[tuple[int, int], str]]:
     out = []
     for name, version_id in published_names(root).items():
         try:
             manifest: Manifest = read_manifest(version_dir(root, version_id))
         except CheckpointError:
             continue
+        if run is not None and manifest.run != run:
+            continue  # another run's name (kept after checkpoint.overwrite): never pruned
         if manifest.kind == kind and manifest.prunable and manifest.name == name:
             step = -1 if manifest.step is None else manifest.step
             out.append(((step, manifest.created_ns), name))
@@ -581,15 +590,17 @@ def prune_names(
     keep_last: int,
     kind: str,
     keep_name: str,
+    run: str | None = None,
     fault_hook: FaultHook | None = None,
 ) -> list[str]:
-    """Unlink the oldest prunable ``kind`` names beyond ``keep_last`` (never ``keep_name``).
+    """Unlink the oldest prunable ``kind`` names beyond ``keep_last`` (never ``keep_name``);
+    with ``run``, only that run's names count and go.
 
     Only the names go; their versions, now unreferenced, go with ``collect_garbage``.
     """
     if keep_last <= 0:
         return []
-    everything = _prunable(Path(root), kind)
+    everything = _prunable(Path(root), kind, run)
     candidates = [name for _, name in everything if name != keep_name]
     excess = len(everything) - keep_last
     pruned: list[str] = []

@@ -182,6 +182,7 @@ KEY_WORLD_SIZE = "world_size"
 KEY_FILES = "files"
 KEY_SIZE = "size"
 KEY_PRUNABLE = "prunable"
+KEY_RUN = "run"
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,9 @@ class Manifest:
     world_size: int
     files: dict[str, FileEntry]
     prunable: bool = True
+    #: The run id of the run that published it (None: written before run ids, or by a
+    #: writer outside any run).
+    run: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         files = {}
@@ -217,6 +221,7 @@ class Manifest:
             KEY_CREATED_NS: self.created_ns,
             KEY_WORLD_SIZE: self.world_size,
             KEY_PRUNABLE: self.prunable,
+            KEY_RUN: self.run,
             KEY_FILES: files,
         }
 
@@ -276,6 +281,7 @@ def build_manifest(
     step: int | None,
     world_size: int,
     prunable: bool = True,
+    run: str | None = None,
     files: dict[str, int] | None = None,
     known_sha256: Mapping[str, str] | None = None,
 ) -> Manifest:
@@ -297,6 +303,7 @@ def build_manifest(
         world_size=world_size,
         files=entries,
         prunable=prunable,
+        run=run,
     )
 
 
@@ -332,6 +339,7 @@ def _parse(raw: Any, where: Path) -> Manifest:
             world_size=int(raw[KEY_WORLD_SIZE]),
             files=files,
             prunable=bool(raw[KEY_PRUNABLE]),
+            run=None if raw.get(KEY_RUN) is None else str(raw[KEY_RUN]),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"Manifest {where} is malformed: {exc!r}.") from exc
@@ -520,19 +528,24 @@ def _order_key(name: str, manifest: Manifest) -> tuple[int, int, int]:
 RESCANS = 5
 
 
-def latest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> str | None:
+def latest_complete(
+    root: Path, kind: str = KIND_CHECKPOINT, *, run: str | None = None
+) -> str | None:
     """The name of the newest complete checkpoint of ``kind`` in ``root``, or None.
 
     Newest = highest manifest ``step`` (versions without a step count as -1), ties broken
     by the manifest's creation time, then by preferring the name a version was published
     under over another name linked to it by hand. Incomplete versions and legacy
-    directories without a manifest are skipped with a warning.
+    directories without a manifest are skipped with a warning. ``run``: only versions
+    that run published (None: any run's).
     """
-    found = newest_complete(root, kind)
+    found = newest_complete(root, kind, run=run)
     return None if found is None else found[0]
 
 
-def newest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> tuple[str, Path] | None:
+def newest_complete(
+    root: Path, kind: str = KIND_CHECKPOINT, *, run: str | None = None
+) -> tuple[str, Path] | None:
     """:func:`latest_complete`'s name and the version directory it resolved to (checked
     complete once, here).
 
@@ -543,13 +556,13 @@ def newest_complete(root: Path, kind: str = KIND_CHECKPOINT) -> tuple[str, Path]
     root = Path(root)
     for _ in range(RESCANS):
         before = published_names(root)
-        found = _scan_newest_complete(root, kind)
+        found = _scan_newest_complete(root, kind, run)
         if found is not None or published_names(root) == before:
             return found
     return None
 
 
-def _scan_newest_complete(root: Path, kind: str) -> tuple[str, Path] | None:
+def _scan_newest_complete(root: Path, kind: str, run: str | None) -> tuple[str, Path] | None:
     candidates: list[tuple[tuple[int, int, int], str]] = []
     for entry in _names_in(root):
         try:
@@ -561,7 +574,7 @@ def _scan_newest_complete(root: Path, kind: str) -> tuple[str, Path] | None:
         except CheckpointError as exc:
             log.warning("Skipping checkpoint %r in %s: %s", entry, root, exc)
             continue
-        if manifest.kind == kind:
+        if manifest.kind == kind and (run is None or manifest.run == run):
             candidates.append((_order_key(entry, manifest), entry))
     for _, name in sorted(candidates, reverse=True):
         try:
@@ -571,16 +584,38 @@ def _scan_newest_complete(root: Path, kind: str) -> tuple[str, Path] | None:
     return None
 
 
-def resolve_agreed(root: Path, ref: str, group: Any = None) -> Path | None:
-    """Rank 0 resolves ``ref`` once (``"auto"``: the newest complete version, None in a root
-    without one); every rank gets the same version directory, or every rank raises the same
-    ``CheckpointError``."""
+@dataclass(frozen=True)
+class Resolved:
+    """A checkpoint reference resolved to one complete version: how it was named (the
+    reference, or the name ``auto`` chose), where it is, which run published it (None: a
+    version from before run ids, or a legacy directory) and at what step."""
 
-    def find() -> str | None:
+    name: str
+    path: Path
+    run: str | None
+    step: int | None
+
+
+def _described(name: str, path: Path) -> Resolved:
+    """The run and step a resolved (already checked) version records."""
+    if not manifest_path(path).exists():  # a legacy directory without a manifest
+        return Resolved(name, path, None, None)
+    manifest = read_manifest(path)
+    return Resolved(name, path, manifest.run, manifest.step)
+
+
+def resolve_agreed(
+    root: Path, ref: str, group: Any = None, *, run: str | None = None
+) -> Resolved | None:
+    """Rank 0 resolves ``ref`` once (``"auto"``: the newest complete version that ``run``
+    published, or any run's when ``run`` is None; None in a root without one); every rank
+    gets the same version, or every rank raises the same ``CheckpointError``. A named
+    ``ref`` is resolved whichever run wrote it."""
+
+    def find() -> Resolved | None:
         if ref != "auto":
-            return str(resolve_reference(root, ref))
-        found = newest_complete(root)
-        return None if found is None else str(found[1])
+            return _described(ref, resolve_reference(root, ref))
+        found = newest_complete(root, run=run)
+        return None if found is None else _described(*found)
 
-    found = on_rank0(find, f"resolving checkpoint {ref!r}", group)
-    return None if found is None else Path(found)
+    return on_rank0(find, f"resolving checkpoint {ref!r}", group)

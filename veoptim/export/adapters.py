@@ -93,12 +93,13 @@ def exported_base_fingerprint(cfg: TrainerConfig, model: nn.Module) -> dict[str,
 def publish_base(
     state: dict[str, torch.Tensor], model: nn.Module, tokenizer: Any, root: Path, *,
     cfg: TrainerConfig, step: int, dtype: str, max_shard_size_mb: int, fsync: bool,
-    is_main: bool = True,
+    is_main: bool = True, run: str | None = None,
 ) -> None:  # fmt: skip
     """Publish the frozen base (``state`` with the base's own key names) as ``hf_base``,
-    with its fingerprint (``veoptim_base.json``) to recognise it later."""
-    with Publisher(root, fsync=fsync).write(BASE_EXPORT, kind=KIND_HF_EXPORT, step=step,
-                                            prunable=False) as out:  # fmt: skip
+    with its fingerprint (``veoptim_base.json``) to recognise it later; ``run``: the run
+    id its manifest records."""
+    with Publisher(root, fsync=fsync, run=run).write(BASE_EXPORT, kind=KIND_HF_EXPORT, step=step,
+                                                     prunable=False) as out:  # fmt: skip
         if is_main:
             write_hf_export(
                 state, model, tokenizer, out, dtype=dtype, max_shard_size_mb=max_shard_size_mb
@@ -128,7 +129,7 @@ def write_adapter_dir(
 
 def ensure_base_export(
     model: nn.Module, cfg: TrainerConfig, tokenizer: Any, exports_root: Path, *, step: int,
-    fsync: bool, is_main: bool = True,
+    fsync: bool, is_main: bool = True, run: str | None = None,
 ) -> None:  # fmt: skip
     """Publish the base as ``<exports_root>/hf_base`` if the adapters need it there (rank 0
     decides, agreed; the base is gathered on every rank). Collective."""
@@ -138,25 +139,26 @@ def ensure_base_export(
     ):
         publish_base(base_state(model), model, tokenizer, exports_root, cfg=cfg, step=step,
                      dtype=cfg.export.dtype, max_shard_size_mb=cfg.export.max_shard_size_mb,
-                     fsync=fsync, is_main=is_main)  # fmt: skip
+                     fsync=fsync, is_main=is_main, run=run)  # fmt: skip
         log.info("exported the frozen base model to %s", exports_root / BASE_EXPORT)
 
 
 def publish_adapter(
     adapter: dict[str, torch.Tensor], model: nn.Module, cfg: TrainerConfig, tokenizer: Any,
     exports_root: Path, name: str, *, subdir: str = "", step: int = 0, fsync: bool = True,
-    is_main: bool = True,
+    is_main: bool = True, run: str | None = None,
 ) -> Path:  # fmt: skip
     """Publish ``adapter`` (PEFT key names, gathered) as the adapter directory
     ``<exports_root>/<subdir>/<name>``, its base published beside it first where needed.
-    ``cfg.lora`` describes the adapter (rank, alpha). Collective; returns the published name.
+    ``cfg.lora`` describes the adapter (rank, alpha); ``run``: the run id the manifests
+    record. Collective; returns the published name.
     """
     ensure_base_export(model, cfg, tokenizer, exports_root, step=step, fsync=fsync,
-                       is_main=is_main)  # fmt: skip
+                       is_main=is_main, run=run)  # fmt: skip
     root = exports_root / subdir if subdir else exports_root
     base = base_reference(cfg, exports_root)
-    with Publisher(root, fsync=fsync).write(name, kind=KIND_HF_EXPORT, step=step,
-                                            prunable=False) as out:  # fmt: skip
+    with Publisher(root, fsync=fsync, run=run).write(name, kind=KIND_HF_EXPORT, step=step,
+                                                     prunable=False) as out:  # fmt: skip
         if is_main:
             write_adapter_dir(out, adapter, cfg, model, base)
     return root / name

@@ -95,7 +95,7 @@ def export_checkpoint(
     export_dtype(options.dtype)
     source = open_checkpoint(checkpoint)
     writer = check_format(source, fmt)
-    pending = Publisher(out_root, fsync=fsync).begin(
+    pending = Publisher(out_root, fsync=fsync, run=source.run).begin(
         name, kind=KINDS.get(fmt, KIND_HF_EXPORT), step=source.step, prunable=False
     )
     try:

@@ -63,7 +63,9 @@ def write_peft(source: CheckpointSource, out_dir: Path, options: Any) -> None:
         source.cfg.export, dtype=options.dtype, max_shard_size_mb=options.max_shard_size_mb
     )
     cfg = dataclasses.replace(source.cfg, export=export)
-    ensure_base_export(model, cfg, source.tokenizer, root, step=source.step, fsync=True)
+    ensure_base_export(
+        model, cfg, source.tokenizer, root, step=source.step, fsync=True, run=source.run
+    )
     write_adapter_dir(
         out_dir, peft_adapter_state(model), source.cfg, model, base_reference(source.cfg, root)
     )

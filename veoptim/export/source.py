@@ -27,7 +27,13 @@ from veoptim.checkpoint.component import (
     read_json,
     saved_inventory,
 )
-from veoptim.checkpoint.versions import VERSIONS_DIR, latest_complete, manifest_path, resolve_path
+from veoptim.checkpoint.versions import (
+    VERSIONS_DIR,
+    latest_complete,
+    manifest_path,
+    read_manifest,
+    resolve_path,
+)
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import load_tokenizer, special_token_ids
 from veoptim.errors import CheckpointError
@@ -49,6 +55,7 @@ class CheckpointSource:
     model: torch.nn.Module  # built on meta: structure, config and tied keys, no storage
     step: int
     saved: Inventory  # the model tensors stored in DCP (keys without "model.")
+    run: str | None = None  # the run that published it (its exports record the same)
 
     @property
     def has_lora(self) -> bool:
@@ -124,7 +131,8 @@ def open_checkpoint(checkpoint: str | Path) -> CheckpointSource:
     model = build_model(cfg.model, len(tokenizer), special, on_meta=True)
     dcp_dir = version / C.DCP_DIR
     saved = saved_inventory(storage.read_metadata(dcp_dir), MODEL, dcp_dir)
-    return CheckpointSource(version, cfg, tokenizer, model, int(info[C.INFO_STEP]), saved)
+    run = read_manifest(version).run if manifest_path(version).is_file() else None
+    return CheckpointSource(version, cfg, tokenizer, model, int(info[C.INFO_STEP]), saved, run)
 
 
 def model_inventory(source: CheckpointSource) -> Inventory:

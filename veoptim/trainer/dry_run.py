@@ -14,13 +14,16 @@ from pathlib import Path
 
 import torch
 
-from veoptim.checkpoint.versions import latest_complete
+from veoptim.checkpoint.versions import latest_complete, resolve_agreed
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import special_token_ids
 from veoptim.distributed import resolve_parallel_sizes
 from veoptim.lora import apply_lora
 from veoptim.models import build_model
 from veoptim.optim import build_scheduler
+from veoptim.rundir import holder_of, read_identity
+from veoptim.rundir.lock import in_use_error
+from veoptim.trainer.lineage import auto_run, describe_start
 from veoptim.trainer.startup import (
     build_sampler,
     check_single_adapter,
@@ -75,16 +78,25 @@ class RunPlan:
 
 
 def _checkpoint_state(cfg: TrainerConfig, root: Path) -> str:
+    """What a real start would do with the checkpoints: the same run record, the same
+    resolution (``resolve_agreed``) and the same rules (``lineage.py``)."""
+    ckpt, run_dir = cfg.checkpoint, Path(cfg.run.dir)
+    holder = holder_of(run_dir)
+    if holder is not None:
+        raise in_use_error(run_dir, holder, "this run")
+    current = read_identity(run_dir)
+    if ckpt.resume:
+        resolved = resolve_agreed(root, ckpt.resume, run=auto_run(current))
+        return describe_start(current, ckpt.resume, resolved, full=ckpt.load_optimizer)
     found = latest_complete(root) if root.is_dir() else None
-    if cfg.checkpoint.resume == "auto":
-        return (
-            f"resumes from {found}" if found else "checkpoint.resume=auto: none yet, starts fresh"
-        )
-    if cfg.checkpoint.resume:
-        return f"resumes from {cfg.checkpoint.resume}"
-    if found and not cfg.checkpoint.overwrite:
+    if found and not ckpt.overwrite:
         raise used_root_error(root, found)
-    return "starts over in it" if found else "empty: a fresh run"
+    if found:
+        return (
+            f"starts a new run over earlier runs' checkpoints (newest: {found}), which stay "
+            "under their names and are ignored by checkpoint.resume=auto and retention"
+        )
+    return "empty: a fresh run"
 
 
 def plan_run(cfg: TrainerConfig, world_size: int = 1) -> RunPlan:

@@ -22,12 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from veoptim.checkpoint import Published, step_name
+from veoptim.checkpoint import Published, Resolved, step_name
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import StateComponent, check_component_name
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, special_token_ids
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
+from veoptim.distributed.agreement import on_rank0
 from veoptim.errors import (
     CheckpointError,
     ConfigError,
@@ -37,9 +38,11 @@ from veoptim.errors import (
 )
 from veoptim.lora.state import base_fingerprint
 from veoptim.optim import build_optimizer, build_scheduler
+from veoptim.rundir import RunIdentity, locked_run_dir, read_identity, write_identity
 from veoptim.state.standard import standard_components, weights_only
 from veoptim.trainer.callback import Callback, CallbackList, Metrics
 from veoptim.trainer.evaluation import EvalSet, evaluate
+from veoptim.trainer.lineage import auto_run, start_run
 from veoptim.trainer.model_setup import unsharded_model
 from veoptim.trainer.objective import MicroBatch, Objective
 from veoptim.trainer.preemption import PreemptionGuard, preempted_message
@@ -103,6 +106,8 @@ class Trainer:
     state: dict[str, StateComponent] = field(default_factory=dict)
     #: The checkpoint version this run resumed from (None: a fresh start).
     resumed_from: Path | None = None
+    #: The run this process trains under (set by :meth:`resume`; ``run.json`` records it).
+    identity: RunIdentity | None = None
     should_stop: bool = False
     #: Every rank agreed to stop after this step because some rank got SIGTERM/SIGINT.
     preempted: bool = False
@@ -208,42 +213,79 @@ class Trainer:
         return self.cfg.train.stop_at_step or self.max_steps
 
     def resume(self) -> None:
-        """Restore ``checkpoint.resume`` (if set) into the live state, before any callback.
+        """Restore ``checkpoint.resume`` (if set) into the live state, before any callback,
+        and settle the run this process trains under (``lineage.py``): ``auto`` considers
+        only the run dir's run's checkpoints; the run id goes into ``run.json`` and into
+        every checkpoint saved from now on.
 
         A fresh run refuses a checkpoint root that already holds checkpoints (their names
-        would be re-pointed and retention could delete them) unless ``checkpoint.overwrite``.
+        would be re-pointed) unless ``checkpoint.overwrite``; those of earlier runs are then
+        kept under their names and ignored by ``auto`` and by retention.
         """
         cfg = self.cfg.checkpoint
+        current = on_rank0(
+            lambda: read_identity(self.run_dir), f"reading the run record in {self.run_dir}"
+        )
+        resolved = None
         if cfg.resume:
-            self.resumed_from = self.load_checkpoint(cfg.resume, load_optimizer=cfg.load_optimizer)
+            resolved = self.load_checkpoint(
+                cfg.resume, load_optimizer=cfg.load_optimizer, run=auto_run(current)
+            )
         elif not cfg.overwrite:
             found = self.checkpointer.latest()  # agreed
             if found is not None:
                 raise used_root_error(self.checkpointer.root, found)
+        start = start_run(current, cfg.resume, resolved, full=cfg.load_optimizer)
+        for note in start.notes:
+            log.info("%s", note)
+        if resolved is None and (cfg.overwrite or cfg.resume == "auto"):
+            others = self.checkpointer.latest()  # any run's (agreed)
+            if others is not None:
+                log.info(
+                    "earlier runs' checkpoints in %s (newest: %s) stay under their names; "
+                    "checkpoint.resume=auto and retention ignore them",
+                    self.checkpointer.root, others,
+                )  # fmt: skip
+        if start.identity != current:
+            on_rank0(
+                lambda: write_identity(self.run_dir, start.identity, fsync=cfg.fsync),
+                f"writing the run record in {self.run_dir}",
+            )
+        self.identity = start.identity
+        self.checkpointer.run = start.identity.run_id
+        self.resumed_from = None if resolved is None else resolved.path
 
-    def load_checkpoint(self, ref: str, *, load_optimizer: bool = True) -> Path | None:
-        """Load ``ref`` (``auto``, a name or a path) into every state component, or only the
-        model weights (checking that the model config matches; everything else stays as it
-        is); returns the version loaded (None: ``auto`` found no checkpoint, the run starts
-        fresh). A full load requires the checkpoint's components to be exactly the run's."""
+    @property
+    def run_id(self) -> str | None:
+        """The run id this process trains under (None before :meth:`resume`)."""
+        return None if self.identity is None else self.identity.run_id
+
+    def load_checkpoint(
+        self, ref: str, *, load_optimizer: bool = True, run: str | None = None
+    ) -> Resolved | None:
+        """Load ``ref`` (``auto``: the newest checkpoint of ``run``, of any run when None; a
+        name or a path) into every state component, or only the model weights (checking
+        that the model config matches; everything else stays as it is); returns the version
+        loaded (None: ``auto`` found no checkpoint). A full load requires the checkpoint's
+        components to be exactly the run's."""
         components = self.state if load_optimizer else self._weights_state()
         try:
-            restored = self.checkpointer.restore(components, ref, exact=load_optimizer)
+            restored = self.checkpointer.restore(components, ref, exact=load_optimizer, run=run)
         except LiveStateInvalidError:
             self.state_invalid = True
             raise
         if restored is None:
             log.info(
-                "checkpoint.resume=auto: no checkpoint in %s, starting fresh",
-                self.checkpointer.root,
-            )
+                "checkpoint.resume=auto: no checkpoint%s in %s",
+                "" if run is None else f" of run {run}", self.checkpointer.root,
+            )  # fmt: skip
             return None
-        path, step = restored
+        resolved, step = restored
         what = ", ".join(components) if load_optimizer else (
             "model weights only (optimizer, scheduler and data position start fresh)"
         )  # fmt: skip
-        log.info("restored %s from %s (step %d)", what, path, step)
-        return path
+        log.info("restored %s from %s (step %d)", what, resolved.path, step)
+        return resolved
 
     def _weights_state(self) -> dict[str, StateComponent]:
         return weights_only(self.state, self.recorded_config())
@@ -263,7 +305,12 @@ class Trainer:
         )
 
     def train(self) -> TrainerProgress:
-        """Resume if asked, then run until ``last_step`` (or until a callback sets ``should_stop``)."""
+        """Lock the run dir, resume if asked, then run until ``last_step`` (or until a
+        callback sets ``should_stop``); the lock is released when training ends."""
+        with locked_run_dir(self.run_dir, "this run"):
+            return self._train()
+
+    def _train(self) -> TrainerProgress:
         self.resume()
         self.model.train()
         with PreemptionGuard() as self._preemption:

@@ -125,7 +125,7 @@ def _scenarios(rank: int, root: str, out_dir: str) -> None:
     res["second"] = _outcome(lambda: _save(Publisher(root_path, keep_last=1), 3))
     res["second_state"] = state()
     res["names"] = sorted(published_names(root_path))
-    res["agreed_auto"] = str(resolve_agreed(root_path, "auto"))
+    res["agreed_auto"] = str(resolve_agreed(root_path, "auto").path)
     res["agreed_missing"] = _outcome(lambda: resolve_agreed(root_path, "nope"))
     res["published_first"] = published
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
