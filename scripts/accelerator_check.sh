@@ -9,10 +9,24 @@
 #   scripts/accelerator_check.sh OUT_DIR               # on a GPU machine
 #   scripts/accelerator_check.sh OUT_DIR --cpu-smoke   # same pipeline, CPU, tiny sizes
 #
-# Writes OUT_DIR/accelerator_check.json: GPU name (nvidia-smi), torch version, each
-# step's return code, seconds and results (pytest counts, both benchmarks' JSON).
-# Exits non-zero when a step failed. Creates .venv (`pip install -e .[dev]`, as
-# `make setup`) when it is absent; installs nothing else.
+# Writes OUT_DIR/accelerator_check.json: GPU name (nvidia-smi), torch version, the
+# interpreter and its packages' versions, whether a C compiler was found, each step's
+# return code, seconds and results (pytest counts, both benchmarks' JSON), and copies
+# each step's log (and the tests' JUnit XML) beside it. Exits non-zero when a step failed.
+#
+# The interpreter: PY=/path/to/python (or a command name, e.g. PY=python3) runs every
+# step with that interpreter and installs nothing. The checkout needs no installation
+# then: the script appends the repository root to PYTHONPATH (veoptim, tasks, callbacks
+# and configs/ are found from there), so that interpreter needs only the project's
+# imports of these steps: torch, transformers, tokenizers, safetensors, hydra-core,
+# omegaconf, numpy, pytest, psutil. On a machine without a network, carry what it lacks
+# as wheels, install them with `pip install --target DIR` and put DIR first in PYTHONPATH.
+# Without PY, the script uses .venv/bin/python, creating .venv (`pip install -e .[dev]`,
+# as `make setup`) when it is absent.
+#
+# With no C compiler the CPU AdamW kernel falls back to the eager engine (same results);
+# the compiled CUDA kernel (torch.compile: Triton needs a C compiler and Python's headers)
+# has no silent fallback here: its test fails.
 set -uo pipefail
 
 OUT_DIR=${1:?usage: scripts/accelerator_check.sh OUT_DIR [--cpu-smoke]}
@@ -26,12 +40,33 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
 
-PY=.venv/bin/python
-if [ ! -x "$PY" ]; then
-  echo "accelerator_check: creating .venv (pip install -e .[dev])"
-  ${PYTHON:-python3} -m venv .venv && "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]" ||
-    { echo "accelerator_check: FAILED to create .venv" >&2; exit 2; }
+if [ -n "${PY:-}" ]; then
+  FOUND=$(command -v "$PY") || { echo "accelerator_check: PY=$PY: no such interpreter" >&2; exit 2; }
+  PY=$FOUND
+else
+  PY=.venv/bin/python
+  if [ ! -x "$PY" ]; then
+    echo "accelerator_check: creating .venv (pip install -e .[dev])"
+    ${PYTHON:-python3} -m venv .venv && "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]" ||
+      { echo "accelerator_check: FAILED to create .venv" >&2; exit 2; }
+  fi
 fi
+# The checkout importable as is (after any wheels the caller put first in PYTHONPATH).
+case ":${PYTHONPATH:-}:" in
+  *":$REPO:"*) ;;
+  *) export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$REPO" ;;
+esac
+echo "accelerator_check: python $PY, PYTHONPATH=$PYTHONPATH"
+# The imports every step needs, checked once: a missing package is one clear line, not
+# three failed steps.
+if ! "$PY" -c "import torch, transformers, hydra, omegaconf, pytest, veoptim.optim, tasks.compose" \
+  >"$WORK/imports.log" 2>&1; then
+  echo "accelerator_check: the interpreter cannot import what the steps need:" >&2
+  tail -n 5 "$WORK/imports.log" >&2
+  cp "$WORK/imports.log" "$OUT_DIR"/
+  exit 2
+fi
+rm -f "$WORK/imports.log"
 
 if [ "$SMOKE" = 1 ]; then
   DEVICE=cpu REQUIRE=0 NUMEL=200000 ROUNDS=2
@@ -50,7 +85,7 @@ step() {
   shift 2
   echo "accelerator_check: $name: $*"
   start=$(date +%s%N)
-  timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
+  timeout -k 15 "$limit" "$@" >"$WORK/$name.log" 2>&1
   rc=$?
   echo "$rc" >"$WORK/$name.rc"
   echo "$((($(date +%s%N) - start) / 1000000))" >"$WORK/$name.ms"
@@ -64,12 +99,13 @@ step optimizer_step "$T_OPTIM" "$PY" scripts/bench/optimizer_step.py --device "$
   --numel "$NUMEL" --rounds "$ROUNDS" ${VARIANTS:+--variants "$VARIANTS"} \
   --out "$WORK/optimizer_step.json"
 step checkpoint_io "$T_CKPT" "$PY" scripts/bench/checkpoint_io.py "${CKPT_ARGS[@]}"
-cp "$WORK"/*.log "$OUT_DIR"/ 2>/dev/null
+cp "$WORK"/*.log "$WORK"/tests.xml "$OUT_DIR"/ 2>/dev/null
 
 GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null |
   head -n 1)
 "$PY" - "$WORK" "$OUT_DIR/accelerator_check.json" "$SMOKE" "${GPU_NAME:-none}" <<'EOF'
-import json, sys, time, xml.etree.ElementTree as ET
+import json, os, platform, shutil, subprocess, sys, time, xml.etree.ElementTree as ET
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -104,6 +140,25 @@ for name in ("tests", "optimizer_step", "checkpoint_io"):
         steps[name]["result"] = last_json_line(log)
     if steps[name]["rc"] != 0:
         steps[name]["log_tail"] = log[-3000:]
+
+
+def version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def compiler() -> str | None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    done = subprocess.run([cc, "--version"], capture_output=True, text=True)
+    return f"{cc}: {(done.stdout.splitlines() or ['?'])[0]}"
+
+
+PACKAGES = ("transformers", "tokenizers", "safetensors", "huggingface-hub", "peft",
+            "hydra-core", "omegaconf", "numpy", "triton", "pytest")
 report = {
     "check": "accelerator_check",
     "mode": "cpu-smoke" if smoke else "cuda",
@@ -112,6 +167,10 @@ report = {
     "torch": torch.__version__,
     "torch_cuda": torch.version.cuda,
     "cuda_available": torch.cuda.is_available(),
+    "python": f"{sys.executable} {platform.python_version()}",
+    "pythonpath": os.environ.get("PYTHONPATH", ""),
+    "packages": {name: version(name) for name in PACKAGES},
+    "cc": compiler(),
     "ok": all(s["rc"] == 0 for s in steps.values()),
     "total_seconds": round(sum(s["seconds"] for s in steps.values()), 1),
     "steps": steps,

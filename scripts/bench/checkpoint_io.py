@@ -299,7 +299,9 @@ def run_role(
            "--size-mb", str(args.size_mb), "--repeats", str(args.repeats),
            "--steps", str(args.steps), "--threads", str(args.threads),
            "--write-threads", str(args.write_threads), "--formats", ",".join(formats)]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    # the checkout first, then the caller's path (packages installed with --target)
+    path = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{role} subprocess failed ({done.returncode}):\n{done.stderr[-4000:]}")

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 from veoptim.optim import AdamW, CPUOffloadAdamW, FullFP32AdamW, MasterFP32AdamW
+from veoptim.optim.kernels import compiled as compiled_kernel
+from veoptim.optim.kernels import native as native_kernel
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 BASELINE = "torch_fused_adamw_fp32"
@@ -165,6 +167,17 @@ def time_once(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def kernels_used() -> dict[str, object]:
+    """Which kernels the ``auto`` variants ran: per device type, whether ``torch.compile``
+    worked (False: it failed and the eager engine stood in); whether the native CPU kernel
+    built and passed its check (None: no variant needed it)."""
+    native = native_kernel._KERNEL
+    return {
+        "compiled": {dev: fn is not None for dev, fn in compiled_kernel._COMPILED.items()},
+        "native_cpu": (native[0] is not None) if native else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=1 << 23)
@@ -230,6 +243,7 @@ def main() -> None:
         "copy_GBps": round(copy_gbps, 2),
         "targets": TARGETS["cpu" if device.type == "cpu" else "accelerator"],
         **extra,
+        "kernels": kernels_used(),
         "variants": variants,
     }
     line = json.dumps(result)
