@@ -32,8 +32,6 @@ def _train(cls, dtype: torch.dtype, kernel: str):
     opt = cls(params, kernel=kernel, **HYPER)
     for step in range(STEPS):
         set_grads(params, step, dtype)
-        for p in params:
-            p.grad = p.grad.to(CUDA)
         opt.step()
     torch.cuda.synchronize()
     return params, opt
@@ -65,8 +63,6 @@ def test_compiled_kernel_resumes_bitwise_on_cuda():
     for step in range(STEPS, STEPS + 3):
         for group in (params, twin):
             set_grads(group, step, torch.bfloat16)
-            for p in group:
-                p.grad = p.grad.to(CUDA)
         opt.step()
         twin_opt.step()
     for a, b in zip(params, twin, strict=True):

@@ -25,9 +25,7 @@ def _train(device: torch.device, factory, dtype: torch.dtype, offload: bool):
     params = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(dtype)]
     opt = factory([{"params": params, "cpu_offload": True}] if offload else [{"params": params}])
     for step in range(STEPS):
-        set_grads(params, step, dtype)  # CPU gradients, moved to the parameter's device
-        for p in params:
-            p.grad = p.grad.to(device)
+        set_grads(params, step, dtype)  # CPU-drawn gradients, on the parameter's device
         opt.step()
     torch.cuda.synchronize()
     return params, opt

@@ -31,8 +31,10 @@ def make_params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
 
 
 def set_grads(params: list[torch.nn.Parameter], step: int, dtype: torch.dtype) -> None:
+    """The step's gradients (drawn on the CPU, so every device sees the same values), on
+    each parameter's own device: a CUDA parameter refuses a CPU gradient."""
     for i, p in enumerate(params):
-        p.grad = grad_for(step, tuple(p.shape), i, dtype)
+        p.grad = grad_for(step, tuple(p.shape), i, dtype).to(p.device)
 
 
 def run_reference(
