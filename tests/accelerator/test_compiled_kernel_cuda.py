@@ -8,6 +8,8 @@ without a GPU (a failure under ``VEOPTIM_REQUIRE_CUDA=1``).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -46,12 +48,12 @@ def test_compiled_kernel_on_cuda_tracks_the_eager_engine(case):
     ep, eo = _train(cls, dtype, "eager")
     for a, b in zip(masters(co, cp), masters(eo, ep), strict=True):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
-    for p in cp:
+    for p, q in zip(cp, ep, strict=True):
         assert torch.equal(p.detach(), co.state[p]["master_weight"].to(dtype)) or dtype == (
             torch.float32
         )
         for key in (EXP_AVG, EXP_AVG_SQ):
-            assert co.state[p][key].dtype == eo.state[ep[cp.index(p)]][key].dtype
+            assert co.state[p][key].dtype == eo.state[q][key].dtype
 
 
 def test_compiled_kernel_resumes_bitwise_on_cuda():
@@ -59,7 +61,7 @@ def test_compiled_kernel_resumes_bitwise_on_cuda():
     params, opt = _train(MasterFP32AdamW, torch.bfloat16, "auto")
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
     twin_opt = MasterFP32AdamW(twin, **HYPER)
-    twin_opt.load_state_dict(opt.state_dict())
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own tensors, not aliases
     for step in range(STEPS, STEPS + 3):
         for group in (params, twin):
             set_grads(group, step, torch.bfloat16)
