@@ -1,9 +1,12 @@
-"""The compiled mixed-dtype AdamW kernel on CUDA: selected by default, close to the eager engine.
+"""The compiled mixed-dtype AdamW kernel on CUDA: selected by default, tracking the FP32 reference.
 
 ``kernel="auto"`` compiles the update on cuda (one kernel per tensor reading and
-writing every byte once); ``kernel="eager"`` is the widening engine with torch's
-fused kernel. Tolerances as in ``tests/optim/test_compiled_kernel.py``. Skipped
-without a GPU (a failure under ``VEOPTIM_REQUIRE_CUDA=1``).
+writing every byte once). Its masters are compared with ``torch.optim.AdamW`` in FP32
+(fused, on the CPU: the reference of every exactness test) at the tolerances of
+``tests/optim/test_compiled_kernel.py``. Not with the eager engine on CUDA: that is torch's
+CUDA fused kernel, which itself differs from the CPU reference by up to 3.3e-6 (1.6e-6
+relative) after 30 steps on an H200, more than the compiled kernel does
+(docs/benchmarks.md). Skipped without a GPU (a failure under ``VEOPTIM_REQUIRE_CUDA=1``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from tests.optim.helpers import HYPER, make_params, masters, set_grads
+from tests.optim.helpers import HYPER, make_params, masters, run_reference, set_grads
 from veoptim.optim import EXP_AVG, EXP_AVG_SQ, FullFP32AdamW, MasterFP32AdamW
 from veoptim.optim.kernels import compiled as ck
 
@@ -21,11 +24,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 CUDA = torch.device("cuda")
 STEPS = 30
-#: (class, parameter dtype, master tolerance (rtol, atol))
+#: (class, parameter dtype, master tolerance (rtol, atol), BF16 moments)
 CASES = {
-    "full_fp32_bf16": (FullFP32AdamW, torch.bfloat16, (1e-6, 1e-7)),
-    "master_fp32_bf16": (MasterFP32AdamW, torch.bfloat16, (1e-5, 2e-5)),
-    "master_fp32_fp32": (MasterFP32AdamW, torch.float32, (1e-5, 2e-5)),
+    "full_fp32_bf16": (FullFP32AdamW, torch.bfloat16, (1e-6, 1e-7), False),
+    "master_fp32_bf16": (MasterFP32AdamW, torch.bfloat16, (1e-5, 2e-5), True),
+    "master_fp32_fp32": (MasterFP32AdamW, torch.float32, (1e-5, 2e-5), True),
 }
 
 
@@ -40,14 +43,15 @@ def _train(cls, dtype: torch.dtype, kernel: str):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_compiled_kernel_on_cuda_tracks_the_eager_engine(case):
-    cls, dtype, (rtol, atol) = CASES[case]
+def test_compiled_kernel_on_cuda_tracks_the_fp32_reference(case):
+    cls, dtype, (rtol, atol), bf16_moments = CASES[case]
     cp, co = _train(cls, dtype, "auto")
     assert ck._COMPILED.get("cuda") is not None, "auto must compile on cuda"
     assert not co._scratch._buffers, "the compiled path widens nothing into scratch"
+    reference, _ = run_reference(STEPS, dtype, bf16_moments=bf16_moments)
+    for a, b in zip(masters(co, cp), reference, strict=True):
+        torch.testing.assert_close(a.cpu(), b.detach(), rtol=rtol, atol=atol)
     ep, eo = _train(cls, dtype, "eager")
-    for a, b in zip(masters(co, cp), masters(eo, ep), strict=True):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
     for p, q in zip(cp, ep, strict=True):
         assert torch.equal(p.detach(), co.state[p]["master_weight"].to(dtype)) or dtype == (
             torch.float32
