@@ -42,6 +42,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES)
     p.add_argument("--max-shard-size-mb", type=int, default=2048)
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (scratch exports only)")
+    p.add_argument(
+        "--allow-other-base",
+        action="store_true",
+        help="peft/merged: use model.path even if its weights differ from the base the "
+        "adapters were trained on (refused by default)",
+    )
     return p
 
 
@@ -49,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the export; 0 on success, 2 with a one-line error otherwise."""
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    options = ExportOptions(dtype=args.dtype, max_shard_size_mb=args.max_shard_size_mb)
+    options = ExportOptions(
+        dtype=args.dtype,
+        max_shard_size_mb=args.max_shard_size_mb,
+        allow_other_base=args.allow_other_base,
+    )
     if args.max_shard_size_mb < 0:
         print("error: --max-shard-size-mb must be >= 0.", file=sys.stderr)
         return 2

@@ -44,6 +44,12 @@ def parser() -> argparse.ArgumentParser:
                    help="text: one reply per prompt; jsonl: prompt, completion, token_ids")  # fmt: skip
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--allow-other-base",
+        action="store_true",
+        help="apply the adapter even if MODEL differs from the base it was trained on "
+        "(refused by default)",
+    )
     return p
 
 
@@ -63,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [*args.prompt, *(read_prompts(args.prompts) if args.prompts else [])]
         if not prompts:
             raise VeoptimError("no prompts: pass --prompt TEXT or --prompts FILE.jsonl.")
-        model, tokenizer = load_model(args.model, args.adapter, args.dtype, args.device)
+        model, tokenizer = load_model(args.model, args.adapter, args.dtype, args.device,
+                                      allow_other_base=args.allow_other_base)  # fmt: skip
         completions = generate(model, tokenizer, prompts, options)
     except (VeoptimError, OSError, ValueError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)

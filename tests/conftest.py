@@ -62,6 +62,7 @@ SLOW_MODULES = (
     "export/test_generate.py",
     "lora/slots/test_slot_concurrency.py",
     "lora/slots/test_slot_multirank.py",
+    "lora/test_base_content.py",
     "lora/test_lora_multirank_export.py",
     "lora/test_lora_training.py",
     "lora/test_multi_lora_task.py",

@@ -232,6 +232,11 @@ class LoRAConfig:
         "Multi-LoRA (tasks.multi_lora, SlotTrainer): adapters per targeted layer, one per "
         "slot; lora.r is then each slot's maximum rank (0 = a single adapter).",
     )
+    allow_other_base: bool = opt(
+        False,
+        "Resume adapters on a base whose content differs from the one they were trained on "
+        "(refused by default: the log names both bases).",
+    )
 
 
 @dataclass

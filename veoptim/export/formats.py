@@ -38,6 +38,7 @@ class ExportOptions:
 
     dtype: str = "bf16"  # bf16 | fp32 | preserve
     max_shard_size_mb: int = 2048
+    allow_other_base: bool = False  # peft/merged: a base whose content differs is accepted
 
 
 #: A writer fills ``out_dir`` (an unpublished version directory) from the checkpoint.

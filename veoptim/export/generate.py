@@ -12,6 +12,7 @@ Prompts are decoded one at a time (no padding), so a greedy reply is exactly wha
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ MODEL_CONFIG = "config.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 Chat = list[dict[str, str]]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,20 @@ def adapter_base(adapter: Path) -> Path:
 
 
 def load_model(
-    model: str | Path, adapter: str | Path | None = None, dtype: str = "fp32", device: str = "cpu"
+    model: str | Path,
+    adapter: str | Path | None = None,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    *,
+    allow_other_base: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
     """The model (with the adapter applied, when given) in eval mode, and its tokenizer.
 
     ``model`` is an HF or merged export (any ``save_pretrained`` directory), or a PEFT
     adapter directory whose ``adapter_config.json`` names its base. The tokenizer comes
-    from the adapter directory when it has one, else from the model.
+    from the adapter directory when it has one, else from the model. A veoptim adapter is
+    checked against the base it was trained on (``veoptim_base.json``: config, layout and
+    content hash); another base is refused unless ``allow_other_base``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,6 +108,8 @@ def load_model(
         )
     if adapter is not None and not _is_adapter(adapter):
         raise ConfigError(f"{adapter} is not a PEFT adapter directory (no {ADAPTER_CONFIG}).")
+    if adapter is not None:
+        _check_base(model, adapter, allow_other_base)
     has_tokenizer = adapter is not None and (adapter / "tokenizer.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(adapter if has_tokenizer else model)
     net = AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype])
@@ -107,6 +118,17 @@ def load_model(
 
         net = PeftModel.from_pretrained(net, str(adapter))
     return net.to(device).eval(), tokenizer
+
+
+def _check_base(model: Path, adapter: Path, allow_other_base: bool) -> None:
+    """The adapter's recorded base against ``model``; an adapter from elsewhere (no
+    record) cannot be checked, which the log says."""
+    from veoptim.lora.peft_format import BASE_FINGERPRINT_FILE, check_adapter_base
+
+    if not (adapter / BASE_FINGERPRINT_FILE).is_file():
+        log.warning("%s records no base (not a veoptim export): its base is not checked", adapter)
+        return
+    check_adapter_base(adapter, model, allow_other=allow_other_base)
 
 
 def read_prompts(path: str | Path) -> list[str | Chat]:

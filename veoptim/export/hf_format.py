@@ -17,6 +17,7 @@ dtype cast or a DCP read unties them).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,7 @@ from huggingface_hub import save_torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import GenerationConfig
 
+from veoptim.content_hash import state_content_hash
 from veoptim.dtypes import torch_dtypes
 from veoptim.errors import ConfigError
 
@@ -34,6 +36,9 @@ SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 SHARD_FILE_PATTERN = "model-{index:05d}-of-{total:05d}.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
+#: The export's own record: the content hash of its weights (``veoptim.content_hash``), so a
+#: LoRA run on it, and every adapter trained there, can name the bytes they belong to.
+MODEL_RECORD_FILE = "veoptim_model.json"
 KIND_HF_EXPORT = "hf_export"  # manifest kind: never picked by resume=auto
 EXPORT_DTYPES: dict[str, torch.dtype | None] = {**torch_dtypes(), "preserve": None}
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -143,6 +148,9 @@ def write_hf_export(
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = _cast(state, target)
     discard = _alias_tied(tensors, tied_weight_keys(model))
+    written = {k: v for k, v in tensors.items() if k not in discard}
+    record = {"content": state_content_hash(written)}  # the bytes are in memory: hash them now
+    del written
     floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
     save_torch_state_dict(
         tensors,
@@ -158,5 +166,6 @@ def write_hf_export(
     config.save_pretrained(out_dir)
     generation_config(config, tokenizer).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    (out_dir / MODEL_RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
     make_readable(out_dir)
     return sorted(p for p in out_dir.rglob("*") if p.is_file())

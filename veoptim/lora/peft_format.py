@@ -10,6 +10,7 @@ a collective: every rank calls them.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,13 @@ from veoptim.errors import CheckpointError, ConfigError
 from veoptim.lora.experts import EXPERT_PARAMS
 from veoptim.lora.inject import lora_experts, lora_layers
 from veoptim.lora.layer import DEFAULT_ADAPTER
-from veoptim.lora.state import base_fingerprint, fingerprint_differences
+from veoptim.lora.state import (
+    ALLOW_FLAG,
+    base_fingerprint,
+    base_mismatch,
+    fingerprint_differences,
+    refuse_other_base,
+)
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -32,6 +39,7 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 #: directory and in an exported ``hf_base``.
 BASE_FINGERPRINT_FILE = "veoptim_base.json"
 BASE_LAYER = ".base_layer"
+log = logging.getLogger(__name__)
 
 
 def full_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -142,14 +150,18 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def check_adapter_base(adapter_dir: str | Path, base_dir: str | Path | None = None) -> Path:
+def check_adapter_base(
+    adapter_dir: str | Path, base_dir: str | Path | None = None, *, allow_other: bool = False
+) -> Path:
     """Check that the base an exported adapter names (or ``base_dir``) is still the base it
     was trained on, by the fingerprint the export recorded (``veoptim_base.json``); returns
-    the base directory checked, raises ``CheckpointError`` naming what differs.
+    the base directory checked, raises ``CheckpointError`` naming both bases and the flag
+    that accepts another one (``allow_other``: only a warning).
 
-    The fingerprint is the base's config and its weight index (tensor names, shapes,
-    dtypes, file offsets), or for a base built from config its ``model.init_seed``: another
-    model, size or layout is told apart, a retrained base of the same shapes is not.
+    The fingerprint is the base's config, its weight index and the content hash of its
+    weights, or for a base built from config its ``model.init_seed`` (then the exported
+    ``hf_base`` beside the adapter records its own): another model, size, layout or a
+    retrained base of the same shapes is told apart.
     """
     adapter_dir = Path(adapter_dir)
     saved = _read_json(adapter_dir / BASE_FINGERPRINT_FILE)
@@ -177,13 +189,12 @@ def check_adapter_base(adapter_dir: str | Path, base_dir: str | Path | None = No
         if hasattr(model_config, "get_text_config"):
             model_config = model_config.get_text_config()
         found = base_fingerprint(model_config, str(base), 0)
-    if found != saved:
-        differs = fingerprint_differences(saved, found)
-        raise CheckpointError(
-            f"the base model at {base} is not the one the adapter {adapter_dir} was trained on "
-            f"({', '.join(differs)} differ{'s' if len(differs) == 1 else ''}: recorded {saved}, "
-            f"found {found}); load the adapter on the base it was trained on."
-        )
+    lead = f"the base model at {base} is not the one the adapter {adapter_dir} was trained on"
+    found = found if isinstance(found, dict) else {"path": str(base)}
+    if fingerprint_differences(saved, found):
+        if not allow_other:
+            raise refuse_other_base(lead, saved, found, ALLOW_FLAG)
+        log.warning("%s; going on as %s asks", base_mismatch(lead, saved, found), ALLOW_FLAG)
     return base
 
 

@@ -49,12 +49,18 @@ def standard_components(
     config: dict[str, Any],
     defaults: dict[str, Any],
     lora_base: dict[str, Any] | None = None,
+    allow_other_base: bool = False,
 ) -> dict[str, StateComponent]:
     """Model (the adapters alone, with ``lora_base`` their base's fingerprint, for a LoRA
-    run), optimizer (with the parallel ``layout`` its shards follow), LR scheduler, sampler,
+    run; ``allow_other_base``: a resume may load them on another base), optimizer (with the
+    parallel ``layout`` its shards follow), LR scheduler, sampler,
     progress, RNG, the run ``config`` (keys a checkpoint predates compared with
     ``defaults``) and the run ids."""
-    weights = ModelState(model) if lora_base is None else LoRAModelState(model, lora_base)
+    weights = (
+        ModelState(model)
+        if lora_base is None
+        else LoRAModelState(model, lora_base, allow_other_base)
+    )
     return {
         MODEL: weights,
         OPTIMIZER: OptimizerState(model, optimizer, layout),

@@ -160,7 +160,10 @@ class Trainer:
         )
         lora_base = None
         if cfg.lora.enabled:  # the adapters are saved with what base they belong to
-            lora_base = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
+            lora_base = on_rank0(
+                lambda: base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed),
+                "fingerprinting the base model",
+            )  # rank 0 hashes the base's files once
         standard = standard_components(
             model=model,
             optimizer=optimizer,
@@ -174,6 +177,7 @@ class Trainer:
             config=trainer.recorded_config(),
             defaults=asdict(type(cfg)()),
             lora_base=lora_base,
+            allow_other_base=cfg.lora.allow_other_base,
         )
         for name, component in standard.items():
             trainer.register_state(name, component)
