@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from contextlib import nullcontext
 
 from veoptim.errors import VeoptimError
 from veoptim.export import FORMATS, ExportOptions, export_checkpoint
+from veoptim.rundir import locked_run_dir, owning_run_dir
 
 DTYPE_CHOICES = ("bf16", "fp32", "preserve")
 
@@ -63,11 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_shard_size_mb < 0:
         print("error: --max-shard-size-mb must be >= 0.", file=sys.stderr)
         return 2
+    run_dir = owning_run_dir(args.out)  # an export into a run dir is one of its writers
     try:
-        published = export_checkpoint(
-            args.checkpoint, args.out, args.name,
-            fmt=args.format, options=options, fsync=not args.no_fsync,
-        )  # fmt: skip
+        with locked_run_dir(run_dir, "this export") if run_dir else nullcontext():
+            published = export_checkpoint(
+                args.checkpoint, args.out, args.name,
+                fmt=args.format, options=options, fsync=not args.no_fsync,
+            )  # fmt: skip
     except VeoptimError as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from veoptim.data.sft import report_truncation, tokenize_conversations
 from veoptim.distributed import DistContext, init_distributed, setup_logging
 from veoptim.errors import ConfigError, DataError, VeoptimError
 from veoptim.lora.slots import SLOT_IDS, MultiLoRAConfig, SlotTrainer
+from veoptim.rundir import locked_run_dir
 
 from .cli import task_command
 from .runner import job_overrides, run_dir_of_job
@@ -184,7 +185,8 @@ def run(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> bool:
     # The slot trainer lives only in _run_slots' frame, so closing the context can free the
     # process groups it holds (see DistContext.close).
     with init_distributed(config.run.device, config.parallel.backend, env) as ctx:
-        return _run_slots(config, ctx, tasks, max_steps, path, conversations)
+        with locked_run_dir(config.run.dir, "this run"):  # one writer of the run dir
+            return _run_slots(config, ctx, tasks, max_steps, path, conversations)
 
 
 def _run_slots(

@@ -52,7 +52,10 @@ def job(cfg: DictConfig) -> None:
         ctx = init_distributed(config.run.device, config.parallel.backend, os.environ, timeout)
         setup_logging(ctx, config.logging.level, config.logging.progress)
         try:
-            serve_on(ctx, config)
+            from veoptim.rundir import locked_run_dir
+
+            with locked_run_dir(config.run.dir, "this server"):  # one server per run dir
+                serve_on(ctx, config)
         finally:
             ctx.close()
     except VeoptimError as error:

@@ -75,6 +75,7 @@ SLOW_MODULES = (
     "optim/test_native_kernel.py",
     "recipes/test_recipe_configs.py",
     "recipes/test_recipe_smoke.py",
+    "rundir/test_writers.py",
     "scripts/test_sweep_report.py",
     "scripts/test_trace_checkpoint.py",
     "service/test_cookbook.py",

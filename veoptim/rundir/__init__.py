@@ -20,6 +20,7 @@ from veoptim.rundir.lock import (
     RunDirLock,
     holder_of,
     locked_run_dir,
+    owning_run_dir,
 )
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "RunSource",
     "holder_of",
     "locked_run_dir",
+    "owning_run_dir",
     "new_run_id",
     "read_identity",
     "write_identity",

@@ -32,6 +32,7 @@ from typing import Any
 
 from veoptim.distributed.agreement import broadcast_from_rank0, rank
 from veoptim.errors import ConfigError
+from veoptim.rundir.identity import RUN_FILE
 
 LOCK_FILE = "run.lock"
 log = logging.getLogger(__name__)
@@ -188,6 +189,16 @@ def holder_of(run_dir: str | Path) -> Holder | None:
         return None
     finally:
         os.close(fd)
+
+
+def owning_run_dir(path: str | Path) -> Path | None:
+    """The run dir ``path`` (an export root such as ``<run.dir>/exports``) lies in: ``path``
+    or its parent when it holds a run record or lock; None elsewhere."""
+    path = Path(path).absolute()
+    for candidate in (path, path.parent):
+        if (candidate / LOCK_FILE).exists() or (candidate / RUN_FILE).exists():
+            return candidate
+    return None
 
 
 @contextmanager
