@@ -46,6 +46,7 @@ bench: setup
 	$(PY) scripts/bench/trainer_overhead.py
 	$(PY) scripts/bench/optimizer_step.py
 	$(PY) scripts/bench/checkpoint_io.py
+	$(PY) scripts/bench/content_hash.py
 	$(PY) scripts/bench/slot_io.py
 	$(PY) scripts/bench/service.py
 	$(PY) scripts/bench/moe_layer.py

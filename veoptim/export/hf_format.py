@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,21 @@ def make_readable(out_dir: Path) -> None:
             os.chmod(path, mode)
 
 
+def save_hashed(
+    tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_size: int, discard: list[str]
+) -> str:
+    """Write ``tensors`` (but ``discard``) as safetensors shards and return their content
+    hash, computed while the writer writes: the bytes are in memory, and hashing overlaps
+    the I/O instead of adding to it."""
+    written = {k: v for k, v in tensors.items() if k not in discard}
+    with ThreadPoolExecutor(1) as pool:
+        content = pool.submit(state_content_hash, written)
+        save_torch_state_dict(
+            tensors, out_dir, max_shard_size=max_shard_size, shared_tensors_to_discard=discard
+        )
+        return content.result()
+
+
 def write_hf_export(
     state: dict[str, torch.Tensor],
     model: torch.nn.Module,
@@ -148,16 +164,8 @@ def write_hf_export(
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = _cast(state, target)
     discard = _alias_tied(tensors, tied_weight_keys(model))
-    written = {k: v for k, v in tensors.items() if k not in discard}
-    record = {"content": state_content_hash(written)}  # the bytes are in memory: hash them now
-    del written
     floating = [t.dtype for t in tensors.values() if t.is_floating_point()]
-    save_torch_state_dict(
-        tensors,
-        out_dir,
-        max_shard_size=max_shard_size_mb * 1024 * 1024,
-        shared_tensors_to_discard=discard,
-    )
+    record = {"content": save_hashed(tensors, out_dir, max_shard_size_mb * 1024 * 1024, discard)}
     del tensors
     config = model.config.__class__.from_dict(model.config.to_dict())
     config.architectures = [architecture_name(model)]
