@@ -82,7 +82,9 @@ def _scenarios(ctx, out: Path) -> dict:
 
 @functools.cache
 def _results(tmp_root: str) -> list[dict]:
-    return run_ranks(2, _scenarios, Path(tmp_root))["ranks"]
+    return run_ranks(2, _scenarios, Path(tmp_root), timeout_s=120)[
+        "ranks"
+    ]  # ~12 s: a hang fails fast
 
 
 @pytest.fixture(scope="module")

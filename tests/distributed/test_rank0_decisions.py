@@ -21,7 +21,9 @@ import torch.distributed as dist
 from tests.checkpoint.ckpt_state import build_trainer
 from tests.distributed.spawn import run_ranks
 from tests.lora.slots.helpers import build
+from veoptim.checkpoint import Publisher, resolve_agreed, step_name
 from veoptim.distributed import DistContext
+from veoptim.distributed.agreement import on_rank0
 from veoptim.errors import CheckpointError, SlotError
 
 pytestmark = pytest.mark.multirank
@@ -72,8 +74,24 @@ def _slot_exports(ctx: DistContext, out: Path) -> dict[str, str]:
     return {"slot": failed, "slot_after": _outcome(lambda: slots.export_slot(0, "tenant"))}
 
 
+def _decisions(ctx: DistContext, out: Path) -> dict[str, str]:
+    """Rank 0's decisions as every rank receives them: a value only rank 0 has (its pid),
+    and ``resume=auto``'s version in the root of two checkpoints ``_results`` made. If a rank did not get rank
+    0's value, every rank fails here at once, before a collective could wait for it."""
+    seen = {
+        "pid": on_rank0(os.getpid, "reading rank 0's pid"),
+        "auto": str(resolve_agreed(out / "decisions", "auto").path),
+    }
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, seen)
+    if any(g != gathered[0] for g in gathered):
+        raise AssertionError(f"the ranks did not all get rank 0's decisions: {gathered}")
+    return {"decided_pid": str(seen["pid"]), "rank_pid": str(os.getpid()),
+            "auto": seen["auto"]}  # fmt: skip
+
+
 def _checks(ctx: DistContext, out: Path) -> dict:
-    result = {**_callback_exports(ctx, out), **_slot_exports(ctx, out)}
+    result = {**_decisions(ctx, out), **_callback_exports(ctx, out), **_slot_exports(ctx, out)}
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(result))
     return result
 
@@ -81,8 +99,18 @@ def _checks(ctx: DistContext, out: Path) -> dict:
 @functools.cache
 def _results() -> dict[int, dict[str, str]]:
     out = Path(tempfile.mkdtemp(prefix="veoptim-rank0-"))
-    run_ranks(2, _checks, out, timeout_s=300)
+    for step in (1, 2):  # a root of two checkpoints, published before the ranks start
+        with Publisher(out / "decisions").write(step_name(step), step=step) as version:
+            (version / "payload").write_text(str(step))
+    run_ranks(2, _checks, out, timeout_s=120)  # the spawn takes ~20 s: a hang fails fast
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def test_every_rank_gets_rank0s_decision_not_its_own():
+    results = _results()
+    assert results[1]["decided_pid"] == results[0]["decided_pid"] == results[0]["rank_pid"]
+    assert results[1]["rank_pid"] != results[0]["rank_pid"]
+    assert results[0]["auto"] == results[1]["auto"] and "step_00000002" in results[0]["auto"]
 
 
 @pytest.mark.parametrize("export", ["callback", "slot"])
