@@ -101,9 +101,9 @@ def _log_warning(
     )
 
 
-def _disable_library_progress_bars() -> None:
+def disable_library_progress_bars() -> None:
     """transformers' "Loading weights" bar (every rank draws one), the Hub's download bars and
-    datasets' tokenization bars."""
+    datasets' tokenization bars (their warnings and errors still show)."""
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as transformers_logging
 
@@ -137,7 +137,7 @@ def setup_logging(
     _adopt_library_loggers()
     warnings.showwarning = _log_warning
     if not progress or not ctx.is_main:
-        _disable_library_progress_bars()
+        disable_library_progress_bars()
     # Gathering a 2-D (efsdp x ep) expert DTensor for an export takes two all-gathers, and
     # torch warns on every rank that their "reduction order" may differ: an all-gather has
     # none (the gathered experts are checked bitwise in tests), so the warning is noise.
