@@ -87,6 +87,7 @@ SLOW_MODULES = (
     "tasks/test_cli.py",
     "tasks/test_override_errors.py",
     "tasks/test_run_dirs.py",
+    "tasks/test_own_configs.py",
     "tasks/test_serve.py",
     "tasks/test_sft_run.py",
     "test_conftest.py",
