@@ -99,6 +99,7 @@ SLOW_MODULES = (
     "trainer/test_own_model.py",
     "trainer/test_preemption.py",
     "trainer/test_preemption_ranks.py",
+    "trainer/test_resume_hints.py",
 )
 
 
