@@ -73,3 +73,32 @@ def test_the_way_on_a_refused_start_offers_is_accepted(tmp_path: Path, case: str
     assert followed.returncode == 0, _error_line(followed)
     if offered == RESUME_WEIGHTS:
         assert "restored model weights only" in followed.stdout + followed.stderr
+
+
+@pytest.mark.parametrize(
+    ("second", "weights_load"),
+    [(["train.max_steps=4"], "accepted"), (["train.max_steps=2", "model=tiny_moe"], "refused")],
+)
+def test_a_refused_resume_offers_a_weights_only_load_only_where_it_loads(
+    tmp_path: Path, second: list[str], weights_load: str
+) -> None:
+    """An explicit checkpoint.resume=auto whose whole state does not fit: the components
+    advise checkpoint.load_optimizer=false; where that load would be refused as well (another
+    model), the message says so and why, and following the advice is indeed refused."""
+    run = [f"run.dir={tmp_path / 'run'}", *SHORT]
+    trained = run_sft_cli([*run, "train.max_steps=2"], tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    refused = run_sft_cli([*run, *second, "checkpoint.resume=auto"], tmp_path)
+    assert refused.returncode == 2
+    message = _error_line(refused)
+    assert "checkpoint.load_optimizer=false" in message, message
+    followed = run_sft_cli([*run, *second, *RESUME_WEIGHTS.split()], tmp_path)
+    if weights_load == "accepted":
+        assert "refused as well" not in message, message
+        assert followed.returncode == 0, _error_line(followed)
+    else:
+        assert (
+            "A weights-only load (checkpoint.load_optimizer=false) is refused as well: " in message
+        )
+        assert "model.arch: saved 'qwen2', live 'qwen3_moe'" in message.split("refused as well")[1]
+        assert followed.returncode == 2  # as the message said

@@ -15,7 +15,7 @@ from veoptim.config.launch import check_launch
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, load_tokenizer
 from veoptim.data.holdout import Holdout, split_holdout
-from veoptim.errors import CheckpointError, ConfigError
+from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 from veoptim.models.build import check_model_fits
 from veoptim.trainer.evaluation import EvalSet, build_eval_set
 from veoptim.trainer.objective import Objective
@@ -115,6 +115,33 @@ def resume_option(
     except CheckpointError as error:
         return None, _reason(error)
     return RESUME_WEIGHTS, why
+
+
+def weights_hint_checked(
+    error: CheckpointError,
+    checkpointer: Checkpointer,
+    weights: Mapping[str, StateComponent],
+    ref: str,
+    run: str | None,
+) -> CheckpointError:
+    """``error`` of a refused whole resume of ``ref`` (``auto``: of ``run``), whose hint to
+    load the weights alone (``checkpoint.load_optimizer=false``) is checked by that load's
+    validation: when it would be refused too, the error says so and why. Collective
+    (agreed); an error with no such hint, or one raised after live state changed, is
+    returned as it is."""
+    if isinstance(error, LiveStateInvalidError) or "load_optimizer=false" not in str(error):
+        return error
+    resolved = checkpointer.resolve(ref, run=run)
+    if resolved is None:
+        return error
+    try:
+        checkpointer.validate(weights, resolved.path, exact=False)
+    except CheckpointError as refused:
+        return CheckpointError(
+            f"{error} A weights-only load (checkpoint.load_optimizer=false) is refused as "
+            f"well: {_reason(refused)}."
+        )
+    return error
 
 
 def _reason(error: CheckpointError) -> str:

@@ -54,6 +54,7 @@ from veoptim.trainer.startup import (
     resume_option,
     run_length,
     used_root_error,
+    weights_hint_checked,
 )
 
 log = logging.getLogger(__name__)
@@ -233,9 +234,17 @@ class Trainer:
         )
         resolved = None
         if cfg.resume:
-            resolved = self.load_checkpoint(
-                cfg.resume, load_optimizer=cfg.load_optimizer, run=auto_run(current)
-            )
+            run = auto_run(current)
+            try:
+                resolved = self.load_checkpoint(
+                    cfg.resume, load_optimizer=cfg.load_optimizer, run=run
+                )
+            except CheckpointError as error:  # its hint of a weights-only load, checked
+                weights = self._weights_state()
+                checked = weights_hint_checked(error, self.checkpointer, weights, cfg.resume, run)
+                if checked is error:
+                    raise
+                raise checked from error
         elif not cfg.overwrite:
             found = self.checkpointer.latest()  # agreed
             if found is not None:  # the resume it offers is checked to load (agreed)
