@@ -3,8 +3,10 @@
 Hydra's ``--help`` lists only config groups, so ``--help``/``-h`` is answered here, before
 Hydra parses the command line, by ``tasks/usage.py`` (every key, its type, default and
 meaning); Hydra's own help stays available as ``--hydra-help``. A command line whose
-config does not compose (a mistyped key, group option or type) is answered with one line
-and exit status 2 by ``tasks/overrides.py``, also before Hydra runs.
+config does not compose (a mistyped key, group option or type, on the command line or in a
+config file of ``--config-dir``) is answered with one line and exit status 2 by
+``tasks/overrides.py``, also before Hydra runs; that check also gives Hydra the output dirs
+and log format a primary config leaves at Hydra's defaults (its ``run.dir``, veoptim's).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from omegaconf.errors import OmegaConfBaseException
 from veoptim.config import TrainerConfig, register_schema
 
 from .compose import CONFIG_DIR
-from .overrides import command_line_error, rank_prefix
-from .usage import config_name_of, render_help
+from .overrides import check_command_line, rank_prefix
+from .usage import config_dir_of, config_name_of, render_help
 
 HELP_FLAGS = ("--help", "-h")
 
@@ -39,7 +41,9 @@ def print_help(task: str, schema: type[TrainerConfig], argv: list[str]) -> int:
     """Print the help; 2 with a one-line error when its config (``--config-name``) won't compose."""
     config_name = config_name_of(argv, task)
     try:
-        text = render_help(task, schema, prog_name(task, sys.argv[0]), config_name)
+        text = render_help(
+            task, schema, prog_name(task, sys.argv[0]), config_name, config_dir_of(argv)
+        )
     except (HydraException, OmegaConfBaseException) as error:
         reason = str(error).strip().splitlines()[0]
         print(f"error: config {config_name!r} does not compose: {reason}", file=sys.stderr)
@@ -64,10 +68,11 @@ def task_command(
             sys.exit(print_help(task, schema, argv))
         # Mistyped keys, unknown group options and wrong types: one line, exit 2, before
         # Hydra (which would print 7-13 lines, exit 1 and advise '+key=...').
-        problem = command_line_error(task, schema, argv, prog_name(task, sys.argv[0]))
-        if problem:
-            print(f"{rank_prefix()}error: {problem}", file=sys.stderr)
+        checked = check_command_line(task, schema, argv, prog_name(task, sys.argv[0]))
+        if checked.problem:
+            print(f"{rank_prefix()}error: {checked.problem}", file=sys.stderr)
             sys.exit(2)
+        sys.argv = [sys.argv[0], *argv, *checked.hydra_overrides]  # Hydra reads sys.argv
         hydra_main()
 
     return main

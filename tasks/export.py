@@ -17,6 +17,7 @@ import logging
 import sys
 from contextlib import nullcontext
 
+from veoptim.distributed.log import disable_library_progress_bars
 from veoptim.errors import VeoptimError
 from veoptim.export import FORMATS, ExportOptions, export_checkpoint
 from veoptim.rundir import locked_run_dir, owning_run_dir
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the export; 0 on success, 2 with a one-line error otherwise."""
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    disable_library_progress_bars()  # transformers' "Loading weights" bar of every load
     options = ExportOptions(
         dtype=args.dtype,
         max_shard_size_mb=args.max_shard_size_mb,

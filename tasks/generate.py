@@ -20,6 +20,7 @@ import json
 import logging
 import sys
 
+from veoptim.distributed.log import disable_library_progress_bars
 from veoptim.errors import VeoptimError
 from veoptim.export.generate import DTYPES, GenerateOptions, generate, load_model, read_prompts
 
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     """Generate; 0 on success, 2 with a one-line error otherwise."""
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    disable_library_progress_bars()  # transformers' "Loading weights" bar of every load
     options = GenerateOptions(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

@@ -9,6 +9,7 @@ Under ``torchrun`` rank 0 serves and every rank runs the trainer calls (``parall
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from veoptim.config import to_config
-from veoptim.errors import VeoptimError
+from veoptim.errors import ConfigError, VeoptimError
 from veoptim.service import ServeConfig
 from veoptim.service.auth import check_tenant_name, key_hash, new_key
 from veoptim.service.db import DB_FILE, Database
@@ -33,14 +34,31 @@ if TYPE_CHECKING:
 # --help, a mistyped key and the keys command answer without loading them.
 
 NAME = "serve"
+#: What the server imports of the ``service`` extra (pyproject.toml), checked before the
+#: model loads: a missing one was a traceback through Hydra after the base was built.
+SERVICE_MODULES = ("fastapi", "uvicorn", "httptools", "tinker", "zstandard")
 log = logging.getLogger("veoptim")
 USAGE = (
     "usage: veoptim-serve keys add NAME [key=value ...] | veoptim-serve keys list [key=value ...]"
 )
 
 
+def check_service_extra() -> None:
+    """ConfigError naming ``pip install 'veoptim[service]'`` when a package of the extra
+    does not import (imported, not only looked up: serving needs them next anyway)."""
+    for module in SERVICE_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise ConfigError(
+                f"veoptim-serve needs the service extra, but its package {module} does not "
+                f"import ({error}); install it with pip install 'veoptim[service]'."
+            ) from None
+
+
 def job(cfg: DictConfig) -> None:
     try:
+        check_service_extra()
         cfg = cfg.copy()
         cfg.run.dir = run_dir_of_job(cfg)
         config = to_config(cfg)

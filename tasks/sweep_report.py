@@ -6,7 +6,10 @@
 
 Each PATH is a run dir (holds ``metrics.jsonl``), a sweep dir (its job subdirs do), or both
 (a sweep written into a run's dir): every run found there is reported.
-Runs are labelled by the config keys that differ between them. Prints a Markdown table
+Runs are labelled by the keys their sweep swept (the ``key=a,b`` overrides of the sweep's
+``multirun.yaml``), each with the value the run used: its resolved config's, or its
+config group's option; runs of no sweep, by the config keys that differ between them.
+Prints a Markdown table
 (best final metric first) and writes ``sweep.md``, ``sweep.csv`` and the curves as
 ``<metric>.png`` (``loss.png``, with matplotlib: ``pip install 'veoptim[plots]'``; without
 it the table and CSV are still written) into ``--out`` (default: the first PATH).
@@ -30,8 +33,12 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 METRICS = "metrics.jsonl"
-# Keys that differ between any two runs by construction, so they never explain a difference.
-IGNORED_KEYS = {"run.dir"}
+#: Written by Hydra into a sweep's dir: the sweep's command-line overrides.
+MULTIRUN_FILE = "multirun.yaml"
+#: Written by Hydra into every run's dir: its config group choices (``hydra.runtime.choices``).
+HYDRA_FILE = Path(".hydra") / "hydra.yaml"
+# Keys that differ between runs by how they were started, never explaining a difference.
+IGNORED_KEYS = {"run.dir", "checkpoint.resume", "checkpoint.overwrite"}
 #: The PNG's size in pixels (width, height) and resolution.
 PNG_SIZE = (900, 500)
 DPI = 100
@@ -50,6 +57,13 @@ class Run:
     config: dict[str, str] | None
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     label: str = ""
+    choices: dict[str, str] = field(default_factory=dict)
+
+    def value(self, key: str) -> str | None:
+        """What the run used for ``key``: a config key's value, else a group's option."""
+        if self.config is not None and key in self.config:
+            return self.config[key]
+        return self.choices.get(key)
 
 
 def _fmt(value: Any) -> str:
@@ -85,6 +99,35 @@ def load_config(run_dir: Path) -> dict[str, str] | None:
     return None
 
 
+def _yaml(path: Path) -> Any:
+    """A YAML file's content; None when it is missing or unreadable (it only costs labels)."""
+    try:
+        return yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def load_choices(run_dir: Path) -> dict[str, str]:
+    """The run's config group options (``optim: adamw``, ...), from Hydra's record of it."""
+    hydra = (_yaml(run_dir / HYDRA_FILE) or {}).get("hydra") or {}
+    choices = (hydra.get("runtime") or {}).get("choices") or {}
+    return {str(k): _fmt(v) for k, v in choices.items() if not str(k).startswith("hydra/")}
+
+
+def swept_keys(sweep_dir: Path) -> list[str]:
+    """The keys a sweep written into ``sweep_dir`` swept (its ``key=a,b`` overrides)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    hydra = (_yaml(sweep_dir / MULTIRUN_FILE) or {}).get("hydra") or {}
+    lines = [str(line) for line in (hydra.get("overrides") or {}).get("task") or []]
+    try:
+        overrides = OverridesParser.create().parse_overrides(lines)
+    except HydraException:
+        return []
+    return [o.get_key_element().lstrip("+~") for o in overrides if o.is_sweep_override()]
+
+
 def load_metrics(path: Path, metric: str = "loss") -> dict[int, dict[str, Any]]:
     """Records by step; a resumed run appends to the same file, so the later record wins."""
     records: dict[int, dict[str, Any]] = {}
@@ -115,7 +158,7 @@ def load_metrics(path: Path, metric: str = "loss") -> dict[int, dict[str, Any]]:
 
 def load_run(run_dir: Path, metric: str = "loss", name: str | None = None) -> Run:
     """Read one run dir: metrics plus config (for the label)."""
-    run = Run(run_dir, name or run_dir.name, load_config(run_dir))
+    run = Run(run_dir, name or run_dir.name, load_config(run_dir), choices=load_choices(run_dir))
     run.records = load_metrics(run_dir / METRICS, metric)
     return run
 
@@ -145,10 +188,13 @@ def varying_keys(configs: list[dict[str, str] | None]) -> list[str]:
 
 
 def label_runs(runs: list[Run]) -> None:
-    """Label each run by its differing keys; fall back to (or add) the dir name."""
-    keys = varying_keys([run.config for run in runs])
+    """Label each run by the keys its sweeps swept (else by its differing keys) with the
+    values it used; fall back to (or add) the dir name."""
+    sweeps = {run.path.parent for run in runs} | {run.path for run in runs}
+    keys = list(dict.fromkeys(k for d in sorted(sweeps) for k in swept_keys(d)))
+    keys = keys or varying_keys([run.config for run in runs])
     for run in runs:
-        parts = [f"{k}={run.config[k]}" for k in keys if run.config and k in run.config]
+        parts = [f"{k}={value}" for k in keys if (value := run.value(k)) is not None]
         run.label = " ".join(parts) or run.name
     labels = [run.label for run in runs]
     for run in runs:

@@ -15,30 +15,40 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hydra import compose, initialize_config_dir
+from hydra import compose
 from omegaconf import OmegaConf
 
 from veoptim.config import register_schema
 from veoptim.config.reference import config_keys, sections
 
-from .compose import CONFIG_DIR
+from .compose import CONFIG_DIR, SearchPath
 
 WIDTH = 100
 #: Config dirs that are not groups a user picks on the command line.
 NOT_GROUPS = {"hydra", "recipes"}
 CONFIG_NAME_FLAGS = ("--config-name", "-cn")
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
 
 
-def config_name_of(argv: list[str], default: str) -> str:
-    """The ``--config-name`` (or ``-cn``) given on the command line, else ``default``."""
+def _flag_value(argv: list[str], flags: tuple[str, ...]) -> str | None:
     for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
-        if flag in CONFIG_NAME_FLAGS:
+        if flag in flags:
             if eq:
                 return value
             if i + 1 < len(argv):
                 return argv[i + 1]
-    return default
+    return None
+
+
+def config_name_of(argv: list[str], default: str) -> str:
+    """The ``--config-name`` (or ``-cn``) given on the command line, else ``default``."""
+    return _flag_value(argv, CONFIG_NAME_FLAGS) or default
+
+
+def config_dir_of(argv: list[str]) -> str | None:
+    """The ``--config-dir`` (or ``-cd``) given on the command line, else None."""
+    return _flag_value(argv, CONFIG_DIR_FLAGS)
 
 
 def _fmt(value: Any) -> str:
@@ -111,10 +121,14 @@ def _wrap(text: str, indent: str) -> list[str]:
     )  # fmt: skip
 
 
-def render_help(task: str, schema: type, prog: str, config_name: str) -> str:
-    """The whole help text of ``prog`` (``veoptim-sft`` or ``python -m tasks.sft``)."""
+def render_help(
+    task: str, schema: type, prog: str, config_name: str, config_dir: str | None = None
+) -> str:
+    """The whole help text of ``prog`` (``veoptim-sft`` or ``python -m tasks.sft``), with
+    the defaults of ``config_name`` (in ``config_dir``, a ``--config-dir``, when given)."""
     register_schema(task, schema)  # what the task's YAML composes over
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+    search = SearchPath(extra=str(Path(config_dir).resolve()) if config_dir else None)
+    with search.initialized(task):
         cfg = compose(config_name=config_name, return_hydra_config=True)
     choices = dict(cfg.hydra.runtime.choices)
     values = OmegaConf.to_container(cfg, resolve=False)

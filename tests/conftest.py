@@ -87,6 +87,8 @@ SLOW_MODULES = (
     "tasks/test_cli.py",
     "tasks/test_override_errors.py",
     "tasks/test_run_dirs.py",
+    "tasks/test_own_configs.py",
+    "tasks/test_serve.py",
     "tasks/test_sft_run.py",
     "test_conftest.py",
     "test_docs_walkthrough.py",
@@ -97,6 +99,7 @@ SLOW_MODULES = (
     "trainer/test_own_model.py",
     "trainer/test_preemption.py",
     "trainer/test_preemption_ranks.py",
+    "trainer/test_resume_hints.py",
 )
 
 

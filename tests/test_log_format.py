@@ -21,6 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from tasks.compose import CONFIG_DIR
+from tests import forkserver
 from tests.conftest import REPO
 from veoptim.distributed import DistContext, setup_logging
 
@@ -58,6 +59,44 @@ def test_an_error_before_setup_logging_has_the_same_format(tmp_path):
     output = proc.stdout + proc.stderr
     assert "ERROR veoptim: ConfigError: optim.lr must be >= 0" in output
     assert odd_lines(output) == []
+
+
+def screen(text: str) -> list[str]:
+    """The lines a terminal shows for ``text``: ``\\r`` returns to the line's start and what
+    follows overwrites it (how tqdm redraws its bar in place)."""
+    lines = []
+    for physical in text.split("\n"):
+        row: list[str] = []
+        column = 0
+        for char in physical:
+            if char == "\r":
+                column = 0
+                continue
+            row[column : column + 1] = [char]
+            column += 1
+        lines.append("".join(row).rstrip())
+    return lines
+
+
+def test_log_lines_never_continue_the_progress_bars_line(tmp_path):
+    """Checkpoints saved while the bar is drawn log a line each; on one console (stdout and
+    stderr together, as a terminal shows them) every such line starts on a line of its own
+    and the bar is drawn again below it."""
+    output = tmp_path / "console.txt"
+    args = [f"run.dir={tmp_path / 'run'}", "train.max_steps=6", "checkpoint.save_steps=2",
+            "train.global_batch_size=4", "train.micro_batch_size=4", "export.hf=false",
+            "logging.progress=true"]  # fmt: skip
+    env = {**ENV, "PYTHONUNBUFFERED": "1"}
+    process = forkserver.ForkedModule("tasks.sft", args, cwd=tmp_path, env=env, stdout=output)
+    assert process.wait(300) == 0, output.read_text()[-3000:]
+    lines = [line for line in screen(output.read_text()) if line]
+    saved = [line for line in lines if "saved checkpoint" in line]
+    assert len(saved) == 3, lines
+    logged = [line for line in lines if re.search(r"\d,\d{3} (INFO|WARNING) ", line)]
+    glued = [line for line in logged if not LINE.fullmatch(line)]
+    assert glued == [], glued
+    bars = [i for i, line in enumerate(lines) if "/6 [" in line]
+    assert bars and bars[-1] > lines.index(saved[0])  # drawn again after the line
 
 
 @contextmanager

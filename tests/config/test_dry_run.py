@@ -25,7 +25,7 @@ def test_dry_run_prints_the_plan_and_writes_no_checkpoint(tmp_path):
     assert plan["model"] == "tiny_dense (qwen2)"
     assert plan["parameters"] == "139,840 (139,840 trainable)"
     assert plan["train data"] == "the bundled synthetic data: 2,700 training examples, 300 eval"
-    assert plan["steps"] == "7"
+    assert plan["steps"] == "7 (337 per epoch)"  # 2,700 training examples // 8
     assert plan["batch"] == "global 8 sequences, micro 2 per forward, 4 accumulation steps per rank"
     assert plan["world size"] == "1"
     assert plan["checkpoints"] == f"{run / 'checkpoints'} (empty: a fresh run)"

@@ -129,3 +129,20 @@ def test_the_checkpoint_marker_is_the_checkpoint_info_file():
     from veoptim.config.validate import TRAINING_CHECKPOINT_FILE
 
     assert TRAINING_CHECKPOINT_FILE == INFO_FILE
+
+
+@pytest.mark.parametrize("contents", ["empty", "tokenizer only"])
+def test_a_model_path_without_config_json_is_named_as_a_model_problem(
+    tmp_path, tiny_overrides, contents
+):
+    """An empty directory was reported as a tokenizer without tokenizer.json: the model's
+    config.json is what is missing, and the error says so first, naming the directory."""
+    path = tmp_path / "model"
+    path.mkdir()
+    if contents == "tokenizer only":
+        load_tokenizer().save_pretrained(path)
+    with pytest.raises(ConfigError) as info:
+        _trainer(tmp_path, tiny_overrides, path)
+    message = str(info.value)
+    assert message.startswith(f"model.path={path}: {path} has no config.json"), message
+    assert "not a Hugging Face model directory" in message and "tokenizer.json" not in message

@@ -90,3 +90,17 @@ def test_cli_expert_parallel_in_one_process_prints_a_ready_torchrun_command(tmp_
     assert proc.returncode == 2, proc.stderr[-2000:]
     expected = f"torchrun --standalone --nproc_per_node 2 -m tasks.sft model=tiny_moe parallel=fsdp_ep2 {run}"
     assert expected in proc.stdout + proc.stderr
+
+
+def test_max_steps_minus_one_says_how_to_train_by_epochs(tmp_path):
+    """``train.max_steps=-1`` means "by epochs" in the Hugging Face Trainer: the refusal
+    says what to set instead, and what it says passes the startup checks."""
+    run = f"run.dir={tmp_path / 'run'}"
+    proc = run_sft_cli([run, "train.max_steps=-1"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "ERROR" in line]
+    assert len(errors) == 1, errors
+    assert "train.max_steps must be >= 0, got -1 (a negative value does not mean" in errors[0]
+    assert "set train.epochs=N (with train.max_steps=0, the default)" in errors[0]
+    hinted = run_sft_cli([run, "train.epochs=1", "train.max_steps=0", "run.dry_run=true"], tmp_path)
+    assert hinted.returncode == 0, hinted.stderr[-2000:]

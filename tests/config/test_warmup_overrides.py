@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -78,3 +79,23 @@ def test_on_the_command_line_steps_replace_a_presets_ratio(tmp_path, tiny_overri
     )
     assert got["scheduler"]["warmup_ratio"] == 0.0 and got["scheduler"]["warmup_steps"] == 1
     assert got["lr"] == pytest.approx([1e-3 / 2, 1e-3, 1e-3, 1e-3])
+
+
+def test_a_fractional_warmup_rounds_half_up_lr_by_lr(tmp_path, tiny_overrides):
+    """warmup_ratio 0.1 of 15 steps is 1.5 warmup steps: 2 (the nearest step, a half up).
+    The run's LRs, step by step: (s + 1) / 3 of the peak for s = 0, 1, then the cosine
+    decay to min_lr_ratio 0.1 over the remaining 13 steps."""
+    overrides = [o for o in tiny_overrides if not o.startswith(("scheduler.", "train.max_steps"))]
+    got = _run(tmp_path, overrides, "train.max_steps=15", "scheduler=cosine",
+               "scheduler.warmup_ratio=0.1", "optim.lr=1e-3")  # fmt: skip
+    peak, floor, warmup = 1e-3, 0.1, 2
+
+    def factor(s: int) -> float:  # the schedule as docs/optimizers.md states it
+        if s < warmup:
+            return (s + 1) / (warmup + 1)
+        progress = (s - warmup + 1) / (15 - warmup)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    assert got["lr"] == [peak * factor(s) for s in range(15)]
+    assert got["lr"][:3] == [peak / 3, peak * 2 / 3, got["lr"][2]] and got["lr"][2] < peak
+    assert got["lr"][-1] == pytest.approx(floor * peak, rel=1e-12)

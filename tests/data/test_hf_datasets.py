@@ -412,6 +412,33 @@ def test_missing_columns_missing_files_and_unknown_settings(tokenizer, tmp_path,
         load(path, tokenizer, split="test")
 
 
+BAD_JSON = {
+    # datasets wrapped these in "An error occurred while generating the dataset" and the
+    # first line was all the error said
+    "array.json": ('[{"prompt": "a", "response": "b"},\n {"prompt": "a" "response": "c"}]\n',
+                   "expected a JSON array of objects or one JSON object per line, found invalid "
+                   "JSON (Expecting ',' delimiter at column 17)."),
+    "rows.jsonl": ('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": "c"} x\n',
+                   "expected a JSON object per line, found invalid JSON (Extra data at column 34)."),
+    "rows.json": ('{"prompt": "a", "response": "b"}\n{"prompt": "a", "response": \n',
+                  "expected a JSON object per line, found invalid JSON (Expecting value at column 29)."),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(BAD_JSON))
+def test_invalid_json_through_datasets_names_the_line_and_the_whole_reason(
+    name, tokenizer, tmp_path
+):
+    text, reason = BAD_JSON[name]
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(DataError) as info:
+        load(path, tokenizer, source="datasets")
+    message = str(info.value)
+    assert message.endswith(f"with datasets: {path}:2: {reason}"), message
+    assert "An error occurred while generating the dataset" not in message
+
+
 # --- DPO preference pairs through datasets ------------------------------------------------------
 
 PAIRS = [

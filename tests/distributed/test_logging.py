@@ -33,7 +33,7 @@ def _rank_logging_output(
         backend="gloo",
     )
     root = logging.getLogger()
-    saved_level = root.level
+    saved_level, saved_handlers = root.level, list(root.handlers)
     if existing is not None:
         root.addHandler(existing)
     try:
@@ -44,10 +44,7 @@ def _rank_logging_output(
         log.warning("warning line")
         return capsys.readouterr().err
     finally:
-        for h in [
-            h for h in root.handlers if h.get_name() == "veoptim-rank-aware" or h is existing
-        ]:
-            root.removeHandler(h)
+        root.handlers[:] = saved_handlers  # setup_logging may have replaced ``existing``
         root.setLevel(saved_level)
 
 

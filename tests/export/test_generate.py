@@ -122,3 +122,23 @@ def test_the_command_runs_and_a_wrong_dir_is_one_line_exit_2(exports, tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
     assert "neither a Hugging Face model directory" in bad.stderr
+
+
+def test_generate_and_export_draw_no_loading_bars(exports, tmp_path):
+    """transformers draws a "Loading weights" bar for every model it loads (the base of a
+    merged export, the model and the base of an adapter): neither command shows one, and
+    the commands' own output is all there is."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    checkpoint = exports["adapter"].parent.parent / "checkpoints" / "step_00000006"
+    export = forkserver.run_module("tasks.export", [str(checkpoint), "--out", str(tmp_path),
+                                   "--name", "merged", "--format", "merged", "--no-fsync"],
+                                   cwd=REPO, env=env)  # fmt: skip
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert export.stderr == "" and export.stdout.startswith("wrote "), export.stdout + export.stderr
+    for model in (exports["adapter"], tmp_path / "merged"):
+        generate = forkserver.run_module("tasks.generate", [str(model), "--prompt", PROMPTS[0],
+                                         "--max-new-tokens", "4"], cwd=REPO, env=env)  # fmt: skip
+        assert generate.returncode == 0, generate.stderr[-2000:]
+        assert "Loading weights" not in generate.stderr and "\r" not in generate.stderr, (
+            generate.stderr
+        )

@@ -11,6 +11,7 @@ import torch
 from veoptim.config.schema import SchedulerConfig
 from veoptim.errors import ConfigError
 from veoptim.optim import SUPPORTED_SCHEDULERS, build_scheduler
+from veoptim.optim.schedulers import ratio_steps, warmup_steps
 
 MAX_STEPS = 50
 PEAK = 3e-3
@@ -142,3 +143,15 @@ def test_run_shorter_than_warmup_warms_up_throughout(caplog):
         opt.step()
         sched.step()
     assert lrs == pytest.approx([PEAK * (s + 1) / 11 for s in range(5)])
+
+
+@pytest.mark.parametrize(
+    ("ratio", "steps", "expected"),
+    [(0.1, 15, 2), (0.1, 25, 3), (0.35, 90, 32), (0.07, 150, 11), (0.1, 14, 1), (0.03, 10, 0)],
+)
+def test_a_ratio_of_the_steps_rounds_to_the_nearest_step_half_up(ratio, steps, expected):
+    """Halves go up whatever the float product's noise (0.35 x 90 was 31.499999999999996,
+    0.07 x 150 10.500000000000002): the warmup and wsd's decay both count steps this way."""
+    assert ratio_steps(ratio, steps) == expected
+    cfg = SchedulerConfig(name="wsd", warmup_steps=0, warmup_ratio=ratio, decay_ratio=ratio)
+    assert warmup_steps(cfg, steps) == expected

@@ -223,3 +223,38 @@ def test_a_sweep_written_into_a_run_dir_reports_the_run_and_every_job(sweep, tmp
     )
     assert got == want and [step for step, _ in got] == [3, 6, 6]
     assert len({row["run"] for row in table}) == 3  # each labelled apart
+
+
+def test_labels_name_only_the_swept_key_with_the_value_each_run_used(sweep, tmp_path):
+    """README's flow: ``make demo`` trains into runs/sft (with checkpoint.overwrite=true and
+    its own length), the sweep ``-m optim.lr=1e-3,3e-3`` writes runs/sft/0 and /1. The
+    labels name optim.lr, the one key swept, also for the demo's run, which left it at its
+    default: no checkpoint.overwrite, no train.max_steps."""
+    root = tmp_path / "sft"
+    shutil.copytree(sweep, root)  # as the sweep wrote it: multirun.yaml, 0/, 1/
+    args = [f"run.dir={root}", "checkpoint.overwrite=true", "run.device=cpu",
+            "train.max_steps=3", "scheduler.warmup_steps=0", "train.global_batch_size=4",
+            "train.micro_batch_size=4", "logging.progress=false", "export.hf=false",
+            "checkpoint.save_at_end=false"]  # fmt: skip
+    proc = forkserver.run_module("tasks.sft", args, cwd=tmp_path, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [load_run(d, name=name) for d, name in find_runs(root)]
+    label_runs(runs)
+    assert [run.label for run in runs] == [
+        "optim.lr=0.003 [sft]",  # the default the demo's run trained with
+        "optim.lr=0.001",
+        "optim.lr=0.003 [sft/1]",
+    ]
+
+
+def test_a_swept_config_group_is_labelled_by_its_option(tmp_path):
+    """``-m optim=adamw,full_fp32_adamw`` changes several optim.* keys; the label is the
+    group's option each job ran with."""
+    args = ["-m", "optim=adamw,full_fp32_adamw", f"run.dir={tmp_path / 'sw'}", "run.device=cpu",
+            "train.max_steps=2", "train.global_batch_size=4", "train.micro_batch_size=4",
+            "logging.progress=false", "export.hf=false", "checkpoint.save_at_end=false"]  # fmt: skip
+    proc = forkserver.run_module("tasks.sft", args, cwd=tmp_path, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [load_run(d, name=name) for d, name in find_runs(tmp_path / "sw")]
+    label_runs(runs)
+    assert [run.label for run in runs] == ["optim=adamw", "optim=full_fp32_adamw"]

@@ -147,3 +147,47 @@ def test_the_guard_restores_the_previous_handlers():
     with PreemptionGuard():
         assert signal.getsignal(signal.SIGTERM) is not before
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+#: case: (how the preempted run was started, what its message says to change: the overrides
+#: to drop and to add, and what the command so changed restores)
+HINTS = {
+    "overwrite, weights-only saves": (
+        ["checkpoint.overwrite=true", "checkpoint.save_optimizer=false"],
+        ["checkpoint.overwrite=true"],
+        ["checkpoint.resume=auto", "checkpoint.load_optimizer=false"],
+        "restored model weights only",
+    ),
+    "a warm start from another run's weights": (
+        ["checkpoint.resume={warm}", "checkpoint.load_optimizer=false"],
+        ["checkpoint.resume={warm}"],
+        ["checkpoint.resume=auto", "checkpoint.load_optimizer=true"],  # true after false wins
+        "restored model, optimizer, lr_scheduler",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HINTS))
+def test_the_command_a_preempted_run_prints_resumes_it(tmp_path, case):
+    """The message's changes to the command, made as written, give a command the next start
+    accepts and that resumes the preempted run's own checkpoint. "The same command plus
+    checkpoint.resume=auto" alone was refused for a run saving weights only (a whole resume
+    of a weights-only checkpoint), and after a warm start it kept load_optimizer=false."""
+    warm = tmp_path / "warm" / "checkpoints" / step_name(2)
+    _run(1, [*COMMON, "train.max_steps=2", f"run.dir={tmp_path / 'warm'}"])
+    started, dropped, added, restored = (
+        [arg.format(warm=warm) for arg in args] if isinstance(args, list) else args
+        for args in HINTS[case]
+    )
+    run_dir = tmp_path / "run"
+    command = [*COMMON, "train.max_steps=100", "checkpoint.save_steps=0", f"run.dir={run_dir}",
+               *started]  # fmt: skip
+    code, output = _signal_mid_run(1, command, run_dir)
+    said = f"Continue with the same command without {' '.join(dropped)}, plus {' '.join(added)}"
+    assert code != 0 and said in output, output[-3000:]
+    stopped = latest_complete(run_dir / "checkpoints")
+    followed = _run(1, [arg for arg in command if arg not in dropped] + added)
+    log = followed.stdout + followed.stderr
+    assert restored in log and f"(step {int(stopped.split('_')[1])})" in log, log[-3000:]
+    assert str(run_dir / "checkpoints" / ".versions" / stopped) in log, log[-3000:]
+    assert latest_complete(run_dir / "checkpoints") == step_name(100)

@@ -295,6 +295,13 @@ class Checkpointer:
         with storage.reading_ahead(path / DCP_DIR, rank(self.group)):  # while we validate
             return self._load(components, path, exact)
 
+    def validate(self, components: Components, path: Path, *, exact: bool = True) -> None:
+        """Every check :meth:`load` makes of ``path`` before it reads a tensor (agreed, on
+        every rank), and nothing else: whether that load would be refused (CheckpointError),
+        so a hint to load it can be checked before it is given. No live state changes."""
+        with agreed(f"validating checkpoint {path}", self.group):
+            self._stage(components, path, exact)
+
     def _load(self, components: Components, path: Path, exact: bool) -> int:
         with agreed(f"validating checkpoint {path}", self.group):
             staged, step, metadata = self._stage(components, path, exact)

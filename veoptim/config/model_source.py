@@ -18,6 +18,8 @@ from veoptim.errors import ConfigError
 
 #: What a Hub download fetches: configs, safetensors weights, tokenizer files, templates.
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+#: What marks a Hugging Face model directory.
+MODEL_CONFIG_FILE = "config.json"
 #: What marks a veoptim run directory (``run.dir``).
 RUN_DIR_FILE = "config.yaml"
 RUN_DIR_SUBDIRS = ("checkpoints", "exports")
@@ -114,13 +116,13 @@ def hub_snapshot(repo_id: str, revision: str = "", *, local_only: bool = False) 
 
 def _refuse_run_dir(path: Path, given: str) -> None:
     """A veoptim run directory is no model: name the export inside it to pass instead."""
-    if (path / "config.json").is_file() or not (path / RUN_DIR_FILE).is_file():
+    if (path / MODEL_CONFIG_FILE).is_file() or not (path / RUN_DIR_FILE).is_file():
         return
     if not any((path / sub).is_dir() for sub in RUN_DIR_SUBDIRS):
         return
     exports = path / "exports"
     models = sorted(
-        p.name for p in exports.glob("*") if not p.name.startswith(".") and (p / "config.json").is_file()
+        p.name for p in exports.glob("*") if not p.name.startswith(".") and (p / MODEL_CONFIG_FILE).is_file()
     ) if exports.is_dir() else []  # fmt: skip
     adapters = sorted(
         p.name for p in exports.glob("*") if (p / "adapter_config.json").is_file()
@@ -164,6 +166,14 @@ def resolve_model_source(model: ModelConfig) -> None:
                 "local directory; model.revision applies to a Hub model id (model.path=org/name)."
             )
         _refuse_run_dir(path, model.path)
+        if not (path / MODEL_CONFIG_FILE).is_file():
+            # Said here, before the tokenizer is looked for in the same directory: a missing
+            # model is the problem, not its tokenizer files.
+            raise ConfigError(
+                f"model.path={model.path}: {path.resolve()} has no {MODEL_CONFIG_FILE}, so it is "
+                f"not a Hugging Face model directory (expected {MODEL_CONFIG_FILE} beside the "
+                "weights and tokenizer files, as save_pretrained writes them)."
+            )
         return
     if path.exists():
         raise ConfigError(

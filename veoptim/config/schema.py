@@ -200,8 +200,9 @@ class SchedulerConfig:
     warmup_ratio: float = opt(
         0.0,
         "Warmup as a fraction of the run's steps, in [0, 1), instead of warmup_steps "
-        "(0 = use warmup_steps); given on the command line, it replaces the preset's "
-        "warmup_steps (both given: an error).",
+        "(0 = use warmup_steps), rounded to the nearest step, a half up (0.1 x 15 -> 2); "
+        "given on the command line, it replaces the preset's warmup_steps (both given: an "
+        "error).",
     )
     min_lr_ratio: float = opt(0.1, "Final LR as a fraction of the peak (linear, cosine, wsd).")
     decay_ratio: float = opt(0.2, "wsd: fraction of max_steps spent in the final decay.")

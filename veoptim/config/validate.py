@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from veoptim.config.schema import TrainerConfig
+from veoptim.config.schema import DEFAULT_MAX_STEPS, TrainerConfig
 from veoptim.dtypes import DTYPE_NAMES
 from veoptim.errors import ConfigError
 
@@ -55,6 +55,17 @@ NON_NEGATIVE: tuple[str, ...] = (
     "optim.weight_decay",
 )
 
+#: What a negative value of these keys probably meant (``max_steps=-1`` is "train by epochs"
+#: in the Hugging Face Trainer).
+NEGATIVE_HINTS: dict[str, str] = {
+    "train.max_steps": (
+        "a negative value does not mean 'by epochs' here, as -1 does in the Hugging Face "
+        "Trainer: for passes over the data set train.epochs=N "
+        "(with train.max_steps=0, the default); train.max_steps=0 without train.epochs runs "
+        f"{DEFAULT_MAX_STEPS} steps"
+    ),
+}
+
 
 def _get(cfg: TrainerConfig, key: str):
     value = cfg
@@ -74,7 +85,8 @@ def validate_config(cfg: TrainerConfig) -> None:
             raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}.")
     for key in NON_NEGATIVE:
         if _get(cfg, key) < 0:
-            raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}.")
+            hint = f" ({NEGATIVE_HINTS[key]})" if key in NEGATIVE_HINTS else ""
+            raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}{hint}.")
     train = cfg.train
     _validate_length_and_eval(cfg)
     if not train.epochs and train.stop_at_step > train.total_steps(0):

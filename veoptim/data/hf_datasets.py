@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from veoptim.data.fields import INPUT_IDS, LABELS
 from veoptim.data.layouts import Layout, resolve_layout, row_messages
 from veoptim.data.packing import Example
+from veoptim.data.records import jsonl_records
 from veoptim.data.sft import (
     FIRST_TRAINED,
     NUM_TOKENS,
@@ -73,8 +74,43 @@ EXPECTED = (
 )
 
 
-def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+def _reasons(error: BaseException) -> str:
+    """Every message of ``error``'s chain, whole, on one line: ``datasets`` wraps the cause
+    (a JSON parse error and its position) in "An error occurred while generating the
+    dataset", so its first line alone says nothing."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = " ".join(str(current).split())
+        parts.append(f"{type(current).__name__}: {text}" if text else type(current).__name__)
+        current = current.__cause__ or current.__context__
+    return "; from ".join(parts)
+
+
+def _json_problem(file: Path) -> str | None:
+    """Where the JSON(L) ``file`` is not valid JSON, as ``<path>:<line>: ...`` (None: every
+    line, or the whole document, parses), read by the same rules as the JSONL reader."""
+    with file.open("rb") as f:
+        head = f.read(EMPTY_PROBE_BYTES).lstrip()
+    if head.startswith(b"["):  # one JSON document (an array of rows)
+        try:
+            json.loads(file.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            return f"{file}: expected UTF-8 text, found undecodable bytes."
+        except json.JSONDecodeError as error:
+            return (
+                f"{file}:{error.lineno}: expected {JSON_SHAPE}, found invalid JSON "
+                f"({error.msg} at column {error.colno})."
+            )
+        return None
+    try:
+        for _ in jsonl_records(file, "data file"):
+            pass
+    except DataError as error:
+        return str(error)
+    return None
 
 
 def _is_empty_text(file: Path) -> bool:
@@ -152,14 +188,17 @@ def open_dataset(
             raise DataError(
                 f"{what} {path!r} is neither a local file or directory nor a dataset in the "
                 f"local Hugging Face datasets cache ({datasets.config.HF_DATASETS_CACHE}) "
-                f"for split {split!r}: {_first_line(error)}"
+                f"for split {split!r}: {_reasons(error)}"
             ) from error
     except DataError:
         raise
     except Exception as error:  # datasets and pyarrow raise many types for unreadable data
+        problem = (
+            _json_problem(local) if FILE_BUILDERS.get(local.suffix.lower()) == "json" else None
+        )
         raise DataError(
             f"could not read {what} {path} (data.split={split!r}) with datasets: "
-            f"{_first_line(error)}"
+            + (problem or _reasons(error))
         ) from error
 
 

@@ -56,12 +56,13 @@ def jsonl_records(path: Path, what: str) -> Iterator[tuple[Any, int, str]]:
                 continue
             where = f"{path}:{line_no}"
             try:
-                record = json.loads(raw.decode("utf-8"))
+                record = json.loads(raw.decode("utf-8").rstrip("\r\n"))  # columns of this line
             except UnicodeDecodeError:
                 raise DataError(f"{where}: expected UTF-8 text, found undecodable bytes.") from None
             except json.JSONDecodeError as error:
                 raise DataError(
-                    f"{where}: expected a JSON object per line, found invalid JSON ({error.msg})."
+                    f"{where}: expected a JSON object per line, found invalid JSON ({error.msg} "
+                    f"at column {error.colno})."
                 ) from None
             yield record, line_no, where
 

@@ -13,7 +13,9 @@ prefix only when several ranks share a console):
   (``[transformers] message``): those are removed and their records propagate to ours;
 - Python warnings become one-line ``py.warnings`` records instead of two raw lines;
 - the libraries' progress bars are drawn only where veoptim's is (rank 0, unless
-  ``logging.progress=false``).
+  ``logging.progress=false``);
+- a console line takes the progress bars off the screen while it is written and draws them
+  again below it (``ConsoleHandler``), so it never continues the bar's line.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import os
 import sys
 import warnings
 from typing import TYPE_CHECKING, TextIO
+
+from tqdm import tqdm
 
 from veoptim.errors import ConfigError
 
@@ -54,6 +58,29 @@ class RankFormatter(logging.Formatter):
         rank = _env_int("RANK", 0) if rank is None else rank
         world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
         super().__init__(MULTI_FORMAT.format(rank=rank) if world_size > 1 else SINGLE_FORMAT)
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """A console handler that writes each line with tqdm's bars cleared and redraws them
+    below it: the bar (on stderr) ends without a newline, and a line written after it on a
+    shared terminal (stdout or stderr) would continue the bar's line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with tqdm.external_write_mode(file=self.stream):
+            super().emit(record)
+
+
+def _bar_safe(handler: logging.Handler) -> logging.Handler:
+    """``handler`` as a :class:`ConsoleHandler` (same stream, name, level, formatter and
+    filters) when it is a plain console handler (Hydra's, say); else itself."""
+    if isinstance(handler, ConsoleHandler) or not _is_console(handler):
+        return handler
+    safe = ConsoleHandler(handler.stream)
+    safe.set_name(handler.get_name())
+    safe.setLevel(handler.level)
+    safe.setFormatter(handler.formatter)
+    safe.filters = list(handler.filters)
+    return safe
 
 
 def _is_console(handler: logging.Handler) -> bool:
@@ -101,9 +128,9 @@ def _log_warning(
     )
 
 
-def _disable_library_progress_bars() -> None:
+def disable_library_progress_bars() -> None:
     """transformers' "Loading weights" bar (every rank draws one), the Hub's download bars and
-    datasets' tokenization bars."""
+    datasets' tokenization bars (their warnings and errors still show)."""
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as transformers_logging
 
@@ -127,9 +154,10 @@ def setup_logging(
     resolved = _resolve_level(level)
     root = logging.getLogger()
     if not any(_is_console(h) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = ConsoleHandler(sys.stderr)
         handler.set_name(HANDLER_NAME)
         root.addHandler(handler)
+    root.handlers[:] = [_bar_safe(h) for h in root.handlers]  # in place: Hydra's order
     for handler in root.handlers:
         if _is_console(handler) or isinstance(handler, logging.FileHandler):
             handler.setFormatter(RankFormatter(ctx.rank, ctx.world_size))
@@ -137,7 +165,7 @@ def setup_logging(
     _adopt_library_loggers()
     warnings.showwarning = _log_warning
     if not progress or not ctx.is_main:
-        _disable_library_progress_bars()
+        disable_library_progress_bars()
     # Gathering a 2-D (efsdp x ep) expert DTensor for an export takes two all-gathers, and
     # torch warns on every rank that their "reduction order" may differ: an all-gather has
     # none (the gathered experts are checked bitwise in tests), so the warning is noise.

@@ -3,13 +3,15 @@
 The LR of step ``s`` is a closed-form function of ``s`` (no chained products),
 so a scheduler restored from its state dict reproduces the continuous run's LR
 bit for bit. Warmup follows torchtitan: ``(s + 1) / (warmup + 1)``, so the
-first step never runs at LR 0.
+first step never runs at LR 0. A ratio of the run's steps (``warmup_ratio``, ``decay_ratio``)
+is a whole number of steps by :func:`ratio_steps`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from torch.optim import Optimizer
@@ -25,10 +27,18 @@ SUPPORTED_SCHEDULERS = ("constant", "linear", "cosine", "wsd")
 SCHEDULER_STATE_KEYS = ("last_epoch", "_step_count", "base_lrs", "_last_lr")
 
 
+def ratio_steps(ratio: float, max_steps: int) -> int:
+    """``ratio * max_steps`` rounded to the nearest step, a half up (0.1 x 15 = 1.5 -> 2,
+    0.1 x 25 = 2.5 -> 3), on the ratio as written in decimal: the float product decided
+    halves by its rounding noise (0.07 x 150 -> 11 but 0.35 x 90 = 31.5 -> 31)."""
+    return int((Decimal(repr(ratio)) * max_steps).to_integral_value(rounding=ROUND_HALF_UP))
+
+
 def warmup_steps(cfg: SchedulerConfig, max_steps: int) -> int:
-    """Warmup steps: ``warmup_ratio`` of ``max_steps`` (rounded) when set, else ``warmup_steps``."""
+    """Warmup steps: ``warmup_ratio`` of ``max_steps`` when set (:func:`ratio_steps`),
+    else ``warmup_steps``."""
     if cfg.warmup_ratio:
-        return round(cfg.warmup_ratio * max_steps)
+        return ratio_steps(cfg.warmup_ratio, max_steps)
     return cfg.warmup_steps
 
 
@@ -41,7 +51,7 @@ def lr_factor(cfg: SchedulerConfig, max_steps: int, step: int) -> float:
         return 1.0
     floor = cfg.min_lr_ratio
     if cfg.name == "wsd":
-        decay_steps = max(1, round(cfg.decay_ratio * max_steps))
+        decay_steps = max(1, ratio_steps(cfg.decay_ratio, max_steps))
         decay_start = max_steps - decay_steps
         if step < decay_start:
             return 1.0
@@ -83,7 +93,7 @@ def validate_scheduler_config(cfg: SchedulerConfig, max_steps: int) -> None:
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise ConfigError(f"scheduler.min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}.")
     if cfg.name == "wsd":
-        decay = round(cfg.decay_ratio * max_steps)
+        decay = ratio_steps(cfg.decay_ratio, max_steps)
         if not 0.0 < cfg.decay_ratio <= 1.0 or warmup + decay > max_steps:
             raise ConfigError(
                 "scheduler.decay_ratio must be in (0, 1] and warmup_steps + decay steps <= "

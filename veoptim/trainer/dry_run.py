@@ -47,6 +47,7 @@ class RunPlan:
     train_examples: int
     eval_examples: int
     max_steps: int
+    steps_per_epoch: int
     last_step: int
     global_batch: int
     micro_batch: int
@@ -58,8 +59,9 @@ class RunPlan:
 
     def lines(self) -> list[str]:
         """The plan as printed by ``run.dry_run=true``."""
-        steps = f"{self.max_steps}" + (
-            f" (this slice stops at {self.last_step})" if self.last_step != self.max_steps else ""
+        sliced = self.last_step != self.max_steps
+        steps = f"{self.max_steps} ({self.steps_per_epoch} per epoch" + (
+            f"; this slice stops at {self.last_step})" if sliced else ")"
         )
         rows = [
             ("model", f"{self.model} ({self.arch})"),
@@ -129,6 +131,7 @@ def plan_run(cfg: TrainerConfig, world_size: int = 1) -> RunPlan:
         train_examples=len(holdout.train),
         eval_examples=len(eval_set.indices) if eval_set is not None else 0,
         max_steps=max_steps,
+        steps_per_epoch=sampler.steps_per_epoch,
         last_step=cfg.train.stop_at_step or max_steps,
         global_batch=cfg.train.global_batch_size,
         micro_batch=cfg.train.micro_batch_size,

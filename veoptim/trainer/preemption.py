@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from veoptim.config.schema import CheckpointConfig
+
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -57,14 +59,36 @@ class PreemptionGuard:
         )  # fmt: skip
 
 
-def preempted_message(step: int, saved_in: Path | None) -> str:
+def preempted_message(step: int, saved_in: Path | None, ckpt: CheckpointConfig) -> str:
     """What a preempted run tells the user: where it stopped (``step``), where its checkpoint
-    is (None: ``checkpoint.save_on_signal=false``) and how to go on."""
+    is (None: ``checkpoint.save_on_signal=false``) and how to go on: the same command, changed
+    as :func:`continue_changes` says."""
     if saved_in is not None:
         saved = f"its checkpoint is in {saved_in}"
     else:
         saved = "nothing was saved (checkpoint.save_on_signal=false)"
-    return (
-        f"stopped on SIGTERM/SIGINT after step {step}; {saved}. Continue with the same "
-        "command plus checkpoint.resume=auto."
-    )
+    return f"stopped on SIGTERM/SIGINT after step {step}; {saved}. {continue_changes(ckpt)}"
+
+
+def continue_changes(ckpt: CheckpointConfig) -> str:
+    """The same command, changed so that the next start resumes this run's newest checkpoint
+    and nothing refuses it: ``checkpoint.resume=auto`` (in place of a resume from elsewhere),
+    without ``checkpoint.overwrite=true`` (a fresh start), and its weights only when the run
+    saves no optimizer state (a whole resume of a weights-only checkpoint is refused)."""
+    drop = [f"checkpoint.resume={ckpt.resume}"] if ckpt.resume not in ("", "auto") else []
+    drop += ["checkpoint.overwrite=true"] if ckpt.overwrite else []
+    add = [] if ckpt.resume == "auto" else ["checkpoint.resume=auto"]
+    if not ckpt.save_optimizer and ckpt.load_optimizer:
+        add.append("checkpoint.load_optimizer=false")
+    elif ckpt.save_optimizer and not ckpt.load_optimizer:
+        add.append("checkpoint.load_optimizer=true")
+    text = "Continue with the same command"
+    if drop:
+        text += f" without {' '.join(drop)}"
+    if add:
+        text += f"{',' if drop else ''} plus {' '.join(add)}"
+    if not ckpt.save_optimizer:
+        text += (
+            " (from its weights: the run saves no optimizer state, checkpoint.save_optimizer=false)"
+        )
+    return text + "."

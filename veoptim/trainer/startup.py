@@ -4,15 +4,18 @@ run would refuse, with the same words."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.component import StateComponent
 from veoptim.config.launch import check_launch
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, load_tokenizer
 from veoptim.data.holdout import Holdout, split_holdout
-from veoptim.errors import ConfigError
+from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 from veoptim.models.build import check_model_fits
 from veoptim.trainer.evaluation import EvalSet, build_eval_set
 from veoptim.trainer.objective import Objective
@@ -81,11 +84,92 @@ def run_length(cfg: TrainerConfig, sampler: GlobalBatchSampler) -> int:
     return max_steps
 
 
-def used_root_error(root: Path, newest: str) -> ConfigError:
+#: What continues the run dir's run from its newest checkpoint: its whole state, or its
+#: weights alone (optimizer, LR schedule and data order start over).
+RESUME_WHOLE = "checkpoint.resume=auto"
+RESUME_WEIGHTS = "checkpoint.resume=auto checkpoint.load_optimizer=false"
+
+
+def resume_option(
+    checkpointer: Checkpointer,
+    whole: Mapping[str, StateComponent],
+    weights: Mapping[str, StateComponent],
+    run: str | None,
+) -> tuple[str | None, str]:
+    """The overrides that would resume what ``checkpoint.resume=auto`` resolves to (the
+    newest checkpoint of ``run``, the run dir's run) into this run: :data:`RESUME_WHOLE`,
+    else :data:`RESUME_WEIGHTS`, else None; and why the whole state would be refused ('' when
+    it would load; with None, why the weights would). Checked by the load's own validation
+    of the live ``whole`` and ``weights`` components, so a hint built from it is not refused
+    by the next start for anything that validation checks. Collective (agreed)."""
+    resolved = checkpointer.resolve("auto", run=run)
+    if resolved is None:  # auto finds none of the run's: it starts, nothing to refuse
+        return RESUME_WHOLE, ""
+    try:
+        checkpointer.validate(whole, resolved.path, exact=True)
+        return RESUME_WHOLE, ""
+    except CheckpointError as error:
+        why = _reason(error)
+    try:
+        checkpointer.validate(weights, resolved.path, exact=False)
+    except CheckpointError as error:
+        return None, _reason(error)
+    return RESUME_WEIGHTS, why
+
+
+def weights_hint_checked(
+    error: CheckpointError,
+    checkpointer: Checkpointer,
+    weights: Mapping[str, StateComponent],
+    ref: str,
+    run: str | None,
+) -> CheckpointError:
+    """``error`` of a refused whole resume of ``ref`` (``auto``: of ``run``), whose hint to
+    load the weights alone (``checkpoint.load_optimizer=false``) is checked by that load's
+    validation: when it would be refused too, the error says so and why. Collective
+    (agreed); an error with no such hint, or one raised after live state changed, is
+    returned as it is."""
+    if isinstance(error, LiveStateInvalidError) or "load_optimizer=false" not in str(error):
+        return error
+    resolved = checkpointer.resolve(ref, run=run)
+    if resolved is None:
+        return error
+    try:
+        checkpointer.validate(weights, resolved.path, exact=False)
+    except CheckpointError as refused:
+        return CheckpointError(
+            f"{error} A weights-only load (checkpoint.load_optimizer=false) is refused as "
+            f"well: {_reason(refused)}."
+        )
+    return error
+
+
+def _reason(error: CheckpointError) -> str:
+    """A refused validation's reason, without the agreement's frame ("validating checkpoint
+    <path> failed on rank 0 of 1: CheckpointError: ") when one rank's reason is all."""
+    text = str(error)
+    frame = " failed on rank "  # one rank: its own reason follows the error type
+    if frame in text and ": CheckpointError: " in text:
+        text = text.split(": CheckpointError: ", 1)[1]
+    return text.rstrip(".")
+
+
+def used_root_error(
+    root: Path, newest: str, resume: str | None = RESUME_WHOLE, why: str = ""
+) -> ConfigError:
     """A fresh run (``checkpoint.resume`` empty) in a root that holds another run's
-    checkpoints: their names would be re-pointed and retention could delete them."""
-    return ConfigError(
-        f"{root} already holds checkpoints (newest: {newest}) and checkpoint.resume is "
-        "empty; continue that run with checkpoint.resume=auto, use another run.dir (or "
-        "checkpoint.root), or pass checkpoint.overwrite=true to start over in it."
+    checkpoints: their names would be re-pointed and retention could delete them. The
+    way on it offers first is ``resume`` (see :func:`resume_option`; None: none)."""
+    others = (
+        "use another run.dir (or checkpoint.root), or pass checkpoint.overwrite=true to start "
+        "over in it"
     )
+    found = f"{root} already holds checkpoints (newest: {newest}) and checkpoint.resume is empty"
+    if resume == RESUME_WHOLE:
+        return ConfigError(f"{found}; continue that run with {resume}, {others}.")
+    if resume is not None:
+        return ConfigError(
+            f"{found}; start from its weights with {resume} (its whole state does not fit "
+            f"this run: {why}), {others}."
+        )
+    return ConfigError(f"{found}, and this run cannot resume from it ({why}); {others}.")

@@ -51,8 +51,10 @@ from veoptim.trainer.startup import (
     build_sampler,
     check_single_adapter,
     load_inputs,
+    resume_option,
     run_length,
     used_root_error,
+    weights_hint_checked,
 )
 
 log = logging.getLogger(__name__)
@@ -232,13 +234,23 @@ class Trainer:
         )
         resolved = None
         if cfg.resume:
-            resolved = self.load_checkpoint(
-                cfg.resume, load_optimizer=cfg.load_optimizer, run=auto_run(current)
-            )
+            run = auto_run(current)
+            try:
+                resolved = self.load_checkpoint(
+                    cfg.resume, load_optimizer=cfg.load_optimizer, run=run
+                )
+            except CheckpointError as error:  # its hint of a weights-only load, checked
+                weights = self._weights_state()
+                checked = weights_hint_checked(error, self.checkpointer, weights, cfg.resume, run)
+                if checked is error:
+                    raise
+                raise checked from error
         elif not cfg.overwrite:
             found = self.checkpointer.latest()  # agreed
-            if found is not None:
-                raise used_root_error(self.checkpointer.root, found)
+            if found is not None:  # the resume it offers is checked to load (agreed)
+                weights = self._weights_state()
+                option = resume_option(self.checkpointer, self.state, weights, auto_run(current))
+                raise used_root_error(self.checkpointer.root, found, *option)
         start = start_run(current, cfg.resume, resolved, full=cfg.load_optimizer)
         for note in start.notes:
             log.info("%s", note)
@@ -338,7 +350,8 @@ class Trainer:
                 self._preemption = None
         if self.preempted:
             saved_in = self.checkpointer.root if self.cfg.checkpoint.save_on_signal else None
-            raise PreemptedError(preempted_message(self.progress.global_step, saved_in))
+            step, ckpt = self.progress.global_step, self.cfg.checkpoint
+            raise PreemptedError(preempted_message(step, saved_in, ckpt))
         return self.progress
 
     def eval_due(self) -> bool:
