@@ -50,6 +50,7 @@ from omegaconf.errors import (
 from veoptim.config.keys import check_known_keys, suggest_key
 from veoptim.config.reference import config_keys
 from veoptim.errors import ConfigError
+from veoptim.rundir.lock import run_dir_problem
 
 from .compose import SearchPath
 from .config_files import (
@@ -299,7 +300,8 @@ def _compose(
         check_known_keys(cfg)  # '+optim.lrr=...' composes; its value would be dropped
     except ConfigError as error:
         return str(error), None
-    return None, hydra
+    problem = run_dir_problem(cfg.run.dir) if "run" in cfg and "dir" in cfg.run else None
+    return problem, None if problem else hydra
 
 
 def check_command_line(task: str, schema: type, argv: list[str], prog: str) -> Checked:

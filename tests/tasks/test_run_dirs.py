@@ -9,6 +9,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from tests import forkserver
 from tests.conftest import REPO, run_sft_cli
 from veoptim.checkpoint.versions import latest_complete, published_names, read_manifest, resolve
@@ -129,3 +131,14 @@ def test_two_runs_into_one_run_dir_the_second_is_refused_naming_the_first(
     rc, log = sft(run_dir, "train.max_steps=3", "export.hf=false", "checkpoint.overwrite=true")
     assert rc == 0, log
     assert f"took over the stale lock of pid {first.pid}" in log
+
+
+@pytest.mark.parametrize("where", ["below_a_file", "a_file"])
+def test_an_unusable_run_dir_is_one_line_and_exit_2(tmp_path: Path, where: str) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    run_dir = afile / "run" if where == "below_a_file" else afile
+    done = run_sft_cli([f"run.dir={run_dir}"], REPO, fresh=True)
+    assert done.returncode == 2
+    assert done.stdout == "" and done.stderr.count("\n") == 1, done.stderr[-2000:]
+    assert f"run.dir {run_dir} cannot be used: it is not a directory" in done.stderr

@@ -21,6 +21,7 @@ from veoptim.rundir.lock import (
     holder_of,
     locked_run_dir,
     owning_run_dir,
+    run_dir_problem,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "holder_of",
     "locked_run_dir",
     "owning_run_dir",
+    "run_dir_problem",
     "new_run_id",
     "read_identity",
     "write_identity",

@@ -191,6 +191,24 @@ def holder_of(run_dir: str | Path) -> Holder | None:
         os.close(fd)
 
 
+def run_dir_problem(run_dir: str | Path) -> str | None:
+    """Why ``run_dir`` cannot be a run dir (one sentence), or None: it is a directory, or
+    can be created, and is writable. Checked before anything is written (Hydra's own log
+    file included)."""
+    path = Path(run_dir).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "" if existing == path else f" ({existing} is not a directory)"
+        return (
+            f"run.dir {run_dir} cannot be used: it is not a directory{where}; choose a directory."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"run.dir {run_dir} cannot be used: {existing} is not writable; choose a writable directory."
+    return None
+
+
 def owning_run_dir(path: str | Path) -> Path | None:
     """The run dir ``path`` (an export root such as ``<run.dir>/exports``) lies in: ``path``
     or its parent when it holds a run record or lock; None elsewhere."""
