@@ -186,7 +186,19 @@ class InProcessServer(Served):
         return self.service.trainer
 
     def slot_of(self, model_id: str) -> int:
-        return self.service.engine.models[model_id].slot
+        return self.service.slots.of_model(model_id)
+
+    def tenant_id(self, name: str) -> int:
+        return self.service.db.tenant_id(name)
+
+    def store_ref(self, path: str, tenant: str = "alice") -> str:
+        """The slot-store entry behind the tenant's ``tinker://`` path."""
+        from veoptim.service import paths
+
+        ref = paths.parse(path)
+        return self.service.db.checkpoint(
+            self.tenant_id(tenant), ref.run_id, ref.kind, ref.name
+        ).store_ref
 
     def close(self) -> None:
         self.uvicorn.should_exit = True

@@ -66,9 +66,7 @@ def samples(sampler, prompt, n: int, params) -> list[tuple[list[int], str]]:
 
 
 def store_ref(server, path: str) -> str:
-    name = path.rsplit("/", 1)[1]
-    row = server.service.db.one("SELECT store_ref FROM checkpoints WHERE name = ?", (name,))
-    return row["store_ref"]
+    return server.store_ref(path)
 
 
 def test_save_weights_for_sampler_publishes_a_snapshot_and_a_sampler_names_it(server, trained):
@@ -78,7 +76,7 @@ def test_save_weights_for_sampler_publishes_a_snapshot_and_a_sampler_names_it(se
     listed = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
     assert path in listed
     ref = store_ref(server, path)
-    assert (server.service.backend.export_dir(ref) / "adapter_config.json").is_file()
+    assert (server.service.checkpoints.export_dir(ref) / "adapter_config.json").is_file()
     sampler = trained["sampler"]
     info = rest.get_sampler(sampler._sampling_session_id).result()
     assert (info.base_model, info.model_path) == (BASE_MODEL, path)
@@ -93,7 +91,7 @@ def test_greedy_samples_equal_peft_generate_on_the_snapshot_export(server, train
     from transformers import AutoModelForCausalLM
 
     tok, sampler = trained["tok"], trained["sampler"]
-    export = server.service.backend.export_dir(store_ref(server, trained["path"]))
+    export = server.service.checkpoints.export_dir(store_ref(server, trained["path"]))
     base = AutoModelForCausalLM.from_pretrained(export.parent.parent / "hf_base",
                                                 dtype=torch.float32)  # fmt: skip
     reference = PeftModel.from_pretrained(base, str(export)).eval()
@@ -203,9 +201,8 @@ def test_concurrent_requests_of_two_tenants_batch_and_sample_as_alone(server, tr
         together = [(a.result(), b.result()) for a, b in jobs]
     assert together == alone
     # the same requests as one batch of rows on the worker's path, deterministically
-    backend = server.service.backend
-    tenants = {name: server.service.db.one("SELECT id FROM tenants WHERE name = ?", (name,))["id"]
-               for name in ("alice", "bob")}  # fmt: skip
+    service = server.service
+    tenants = {name: server.tenant_id(name) for name in ("alice", "bob")}
     bodies = []
     for tenant, s in (("alice", sampler), ("bob", bobs)):
         for p in prompts:
@@ -213,14 +210,15 @@ def test_concurrent_requests_of_two_tenants_batch_and_sample_as_alone(server, tr
                 bodies.append((tenants[tenant], {
                     "sampling_session_id": s._sampling_session_id, "num_samples": n,
                     "prompt": p.model_dump(mode="json"), "sampling_params": params.model_dump()}))  # fmt: skip
-    ops = [backend.samplers.prepare(t, body)[0] for t, body in bodies]
-    batched = backend.run_batch(ops)
+    ops = [service.samplers.prepare(t, types.SampleRequest.model_validate(body))[0]
+           for t, body in bodies]  # fmt: skip
+    batched = service.run_batch(ops)
     assert len({op.batch.request.store_ref for op in ops}) == 2
     flat = [v for pair in alone for v in pair]
     got = [[(q.tokens, q.stop_reason) for q in decode(r).sequences] for r in batched]
     assert got == flat  # the same tokens; log-probs to float rounding (padded rows)
     for op, result in zip(ops, batched, strict=True):
-        for a, b in zip(decode(result).sequences, decode(backend.run_batch([op])[0]).sequences,
+        for a, b in zip(decode(result).sequences, decode(service.run_batch([op])[0]).sequences,
                         strict=True):  # fmt: skip
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     sc.close("success").result()
@@ -267,12 +265,12 @@ def test_training_models_take_snapshot_slots_and_snapshots_come_back(server, tra
     tok, sampler = trained["tok"], trained["sampler"]
     prompt = prompt_of(tok, PROMPTS[0])
     greedy = samples(sampler, prompt, 1, GREEDY)
-    assert server.service.backend.samplers.slots  # the snapshot is cached in a slot
+    assert server.service.slots.snapshots()  # the snapshot is cached in a slot
     bob = server.client("bob")
-    free = server.trainer.num_slots - len(server.service.backend.used_slots())
+    free = server.trainer.num_slots - server.service.slots.training()
     models = [bob.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
               for _ in range(free)]  # fmt: skip
-    assert len(models) == free and not server.service.backend.samplers.slots
+    assert len(models) == free and not server.service.slots.snapshots()
     with pytest.raises(tinker.RequestFailedError, match="lora.num_slots"):
         sampler.sample(prompt, 1, GREEDY).result()
     bob.close("success").result()
@@ -283,7 +281,7 @@ def test_deleting_a_sampler_checkpoint_removes_its_entry_and_export(server, trai
     tc = trained["tc"]
     path = tc.save_weights_for_sampler("gone").result().path
     ref = store_ref(server, path)
-    export = server.service.backend.export_dir(ref)
+    export = server.service.checkpoints.export_dir(ref)
     entry = server.trainer.store.root / ref
     assert export.is_dir() and entry.is_dir()
     rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])

@@ -11,14 +11,15 @@ name in the slot store, so no client text ever becomes a file path.
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
 
+from veoptim.service.db import Checkpoint, CheckpointKind, Database
 from veoptim.service.errors import NotFound, ServiceError
 
 SCHEME = "tinker://"
-TRAINING, SAMPLER = "training", "sampler"
 #: path segment <-> checkpoint kind (the SDK's ParsedCheckpointTinkerPath).
-SEGMENTS = {"weights": TRAINING, "sampler_weights": SAMPLER}
+SEGMENTS = {"weights": CheckpointKind.TRAINING, "sampler_weights": CheckpointKind.SAMPLER}
 KIND_SEGMENT = {kind: segment for segment, kind in SEGMENTS.items()}
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -26,6 +27,15 @@ RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 def model_id(session_id: str, model_seq_id: int) -> str:
     return f"{session_id}:train:{model_seq_id}"
+
+
+def sampler_id(session_id: str, seq_id: int) -> str:
+    return f"{session_id}:sample:{seq_id}"
+
+
+def new_store_ref() -> str:
+    """A fresh slot-store entry name (``errors.STORE_REF`` recognises them)."""
+    return f"c{uuid.uuid4().hex[:20]}"
 
 
 def check_name(name: object, field: str = "path") -> str:
@@ -40,7 +50,7 @@ def check_name(name: object, field: str = "path") -> str:
 @dataclass(frozen=True)
 class CheckpointRef:
     run_id: str
-    kind: str
+    kind: CheckpointKind
     name: str
 
     @property
@@ -71,3 +81,12 @@ def parse_checkpoint_id(run_id: str, checkpoint_id: str) -> CheckpointRef:
     if segment not in SEGMENTS or not NAME.fullmatch(name):
         raise NotFound(f"training run {run_id} has no checkpoint {checkpoint_id!r}.")
     return CheckpointRef(run_id, SEGMENTS[segment], name)
+
+
+def find(db: Database, tenant_id: int, ref: CheckpointRef, field: str = "path") -> Checkpoint:
+    """The tenant's checkpoint ``ref`` names; another tenant's is not found, like one that
+    does not exist."""
+    found = db.checkpoint(tenant_id, ref.run_id, ref.kind, ref.name)
+    if found is None:
+        raise NotFound(f"{field}: checkpoint {ref.path} was not found.")
+    return found

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,7 @@ from veoptim.lora.slots.tokens import (
     optim_step_clipped,
     sample_tokens,
 )
-from veoptim.service.engine import describe
-from veoptim.service.errors import SERVER, ServiceError
+from veoptim.service.errors import SERVER, ServiceError, describe
 
 log = logging.getLogger("veoptim.service")
 #: The followers wait for rank 0's next call as long as the job runs.
@@ -81,6 +80,12 @@ class ServedTrainer:
 
     def export_slot(self, slot: int, name: str) -> Path:
         return self._everywhere("export_slot", slot, name)
+
+    def delete_checkpoint(self, name: str) -> None:
+        self._everywhere("delete_checkpoint", name)
+
+    def prune_checkpoints(self, keep: Collection[str]) -> list[str]:
+        return self._everywhere("prune_checkpoints", set(keep))
 
     def slot_state(self, slot: int) -> dict[str, Any]:
         return self._everywhere("slot_state", slot)
@@ -213,6 +218,8 @@ CALLS: dict[str, Callable[..., Any]] = {
     "release_slot": lambda t, _r, _w, slot, /: t.release_slot(slot),
     "save_slot": lambda t, _r, _w, /, *a: t.save_slot(*a),
     "export_slot": lambda t, _r, _w, /, *a: t.export_slot(*a),
+    "delete_checkpoint": lambda t, _r, _w, name, /: t.delete_checkpoint(name),
+    "prune_checkpoints": lambda t, _r, _w, keep, /: t.prune_checkpoints(keep),
     "slot_state": lambda t, _r, _w, slot, /: t.slot_state(slot),
     "optim_step": lambda t, _r, _w, slot, clip, /, **adam: optim_step_clipped(
         t, slot, clip, **adam
