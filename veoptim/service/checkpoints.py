@@ -13,12 +13,14 @@ removed when the server starts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tinker import types
 
+from veoptim.errors import VeoptimError
 from veoptim.service import paths
 from veoptim.service.backend import Backend
 from veoptim.service.db import CheckpointKind, Database
@@ -32,6 +34,15 @@ from veoptim.service.slots import Slots
 log = logging.getLogger("veoptim.service")
 #: The files of a sampler checkpoint's PEFT export that a tenant downloads.
 DOWNLOADS = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@contextmanager
+def loading(ref: paths.CheckpointRef) -> Iterator[None]:
+    """A refused load as the tenant should read it: which of its checkpoints, and why."""
+    try:
+        yield
+    except VeoptimError as exc:
+        raise ServiceError(f"path: loading {ref.path} failed: {exc}") from exc
 
 
 class Checkpoints:
@@ -119,7 +130,8 @@ class Checkpoints:
             def run() -> dict[str, Any]:
                 slot = self.backend.ready(model, partly_written=True)  # a load may repair it
                 record = paths.find(self.db, model.tenant_id, ref)
-                self.trainer.load_slot(slot, record.store_ref, load_optimizer=optimizer)
+                with loading(ref):
+                    self.trainer.load_slot(slot, record.store_ref, load_optimizer=optimizer)
                 self.metrics.write(model.id, model.tenant_id, slot, "load_weights", path=ref.path,
                                    optimizer=optimizer)  # fmt: skip
                 return {"path": ref.path, "model_id": model.id, "type": "load_weights"}
@@ -143,7 +155,8 @@ class Checkpoints:
 
         def run() -> dict[str, Any]:
             record = paths.find(self.db, tenant_id, ref)
-            slot = self.slots.load(model.id, record.store_ref, request.optimizer)
+            with loading(ref):
+                slot = self.slots.load(model.id, record.store_ref, request.optimizer)
             self.backend.created(model, slot, self.db.run_rank(tenant_id, ref.run_id),
                                  request.user_metadata)  # fmt: skip
             log.info("model %s loaded from %s", model.id, ref.path)
