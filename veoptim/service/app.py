@@ -54,8 +54,9 @@ def create_app(service: Service) -> FastAPI:
                   openapi_url=None)  # fmt: skip
     app.state.service = service
     app.add_middleware(RequestLog)
-    for router in ROUTERS:
-        app.include_router(router)
+    for router in ROUTERS:  # each route itself on the app: matched in one flat list
+        for route in router.routes:
+            app.add_api_route(route.path, route.endpoint, methods=sorted(route.methods))
 
     @app.exception_handler(ServiceError)
     async def refused(request: Request, exc: ServiceError) -> JSONResponse:
