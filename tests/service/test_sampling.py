@@ -293,3 +293,37 @@ def test_deleting_a_sampler_checkpoint_removes_its_entry_and_export(server, trai
     with pytest.raises(tinker.APIStatusError) as caught:
         trained["sc"].create_sampling_client(model_path=path).result()
     assert caught.value.status_code == 404
+
+
+def next_token_logits(server, trained, text: str) -> torch.Tensor:
+    """The snapshot's next-token logits after ``text``, from its PEFT export (FP32)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    export = server.service.checkpoints.export_dir(store_ref(server, trained["path"]))
+    base = AutoModelForCausalLM.from_pretrained(export.parent.parent / "hf_base",
+                                                dtype=torch.float32)  # fmt: skip
+    reference = PeftModel.from_pretrained(base, str(export)).eval()
+    with torch.no_grad():
+        return reference(input_ids=torch.tensor([trained["tok"].encode(text)])).logits[0, -1]
+
+
+def test_top_k_samples_only_among_the_k_likeliest_and_can_pick_each(server, trained):
+    tok, sampler = trained["tok"], trained["sampler"]
+    text = PROMPTS[2]
+    ranked = next_token_logits(server, trained, text).sort(descending=True).values
+    gaps = {k: float(ranked[k - 1] - ranked[k]) for k in range(2, 9)}
+    k = max(gaps, key=gaps.get)  # a clear boundary: no near-tie decides the set
+    assert gaps[k] > 1e-3
+    expected = set(next_token_logits(server, trained, text).topk(k).indices.tolist())
+    flat = types.SamplingParams(max_tokens=1, temperature=100.0, top_k=k, seed=3, stop=[])
+    drawn = [s[0][0] for s in samples(sampler, prompt_of(tok, text), 64, flat)]
+    assert set(drawn) == expected  # only the k likeliest, and each of them
+    free = types.SamplingParams(max_tokens=1, temperature=100.0, seed=3, stop=[])
+    assert not set(s[0][0] for s in samples(sampler, prompt_of(tok, text), 64, free)) <= expected
+    one = types.SamplingParams(max_tokens=8, temperature=1.0, top_k=1, seed=5, stop=[])
+    greedy = types.SamplingParams(max_tokens=8, temperature=0, stop=[])
+    for text in PROMPTS:
+        assert [t for t, _ in samples(sampler, prompt_of(tok, text), 3, one)] == [
+            t for t, _ in samples(sampler, prompt_of(tok, text), 3, greedy)
+        ]
