@@ -17,7 +17,9 @@ import concurrent.futures
 import json
 import math
 import time
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -327,3 +329,109 @@ def test_top_k_samples_only_among_the_k_likeliest_and_can_pick_each(server, trai
         assert [t for t, _ in samples(sampler, prompt_of(tok, text), 3, one)] == [
             t for t, _ in samples(sampler, prompt_of(tok, text), 3, greedy)
         ]
+
+
+def download(rest: tinker.RestClient, path: str, into: Path) -> dict[str, str]:
+    """The files of external-weights path ``path`` through their signed URLs (no key)."""
+    import urllib.request
+
+    answer = rest.get_external_weights_urls(path).result()
+    assert set(answer.urls) == {"adapter_config.json", "adapter_model.safetensors"}
+    into.mkdir(parents=True, exist_ok=True)
+    for name, url in answer.urls.items():
+        with urllib.request.urlopen(url, timeout=30) as response:
+            (into / name).write_bytes(response.read())
+    return answer.urls
+
+
+def test_a_tenant_downloads_its_sampler_checkpoint_and_plain_peft_loads_it(
+    server, trained, tmp_path
+):
+    """``RestClient.get_external_weights_urls`` on a sampler checkpoint (its path with
+    ``external_weights``): signed links to its PEFT adapter, which plain ``peft`` loads on
+    the base and samples like the server."""
+    import urllib.error
+    import urllib.request
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
+    external = trained["path"].replace("/sampler_weights/", "/external_weights/")
+    urls = download(rest, external, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == BASE_MODEL  # not the server's path
+    export = server.service.checkpoints.export_dir(store_ref(server, trained["path"]))
+    weights = "adapter_model.safetensors"
+    assert (tmp_path / weights).read_bytes() == (export / weights).read_bytes()
+    base = AutoModelForCausalLM.from_pretrained(export.parent.parent / "hf_base",
+                                                dtype=torch.float32)  # fmt: skip
+    adapter = PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    tok = trained["tok"]
+    ids = tok.encode(PROMPTS[0])
+    with torch.no_grad():
+        out = adapter.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                               temperature=None, top_p=None, top_k=None,
+                               pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()  # fmt: skip
+    params = types.SamplingParams(max_tokens=6, temperature=0, stop=[])
+    assert samples(trained["sampler"], prompt_of(tok, PROMPTS[0]), 1, params)[0][0] == out
+    forged = urls[weights].replace("/downloads/", "/downloads/x")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(forged, timeout=30)
+    assert refused.value.code == 401
+    bob = tinker.RestClient(base_url=server.url, api_key=server.keys["bob"])
+    with pytest.raises(tinker.NotFoundError):
+        bob.get_external_weights_urls(external).result()
+    with httpx.Client(
+        base_url=f"{server.url}/api/v1", headers={"X-API-Key": server.keys["alice"]}
+    ) as http:
+        training = trained["tc"].save_state("not_downloadable").result().path
+        run, checkpoint = training.removeprefix("tinker://").split("/", 1)
+        refused = http.get(f"/training_runs/{run}/checkpoints/{checkpoint}/external_weights_urls")
+        assert refused.status_code == 400 and "checkpoint_id" in refused.json()["detail"]
+
+
+def test_save_weights_external_exports_the_adapter_to_download(server, trained, tmp_path):
+    """The SDK's own way home: ``save_weights_external`` then ``get_external_weights_urls``
+    (a PEFT export, listed as an ``external`` checkpoint, deletable, never loaded)."""
+    tc = trained["tc"]
+    saved = tc.save_weights_external("home").result().path
+    assert saved == f"tinker://{tc.model_id}/external_weights/home"
+    rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
+    download(rest, saved, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == BASE_MODEL and config["r"] == 8
+    listed = {
+        c.tinker_path: c.checkpoint_type
+        for c in rest.list_checkpoints(tc.model_id).result().checkpoints
+    }
+    assert listed[saved] == "external"
+    with pytest.raises(tinker.APIStatusError) as refused:
+        trained["sc"].create_training_client_from_state(saved).result()
+    assert refused.value.status_code == 400 and "path must be" in str(refused.value.body)
+    rest.delete_checkpoint_from_tinker_path(saved).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_external_weights_urls(saved).result()
+
+
+def test_deleting_a_checkpoint_a_sampler_samples_ends_that_sampler_clearly(server, trained):
+    """The rule: a delete is never refused; the samplers of the deleted checkpoint end at
+    once (their next request answers 404 naming the checkpoint) and its slot is freed."""
+    tc, sc, tok = trained["tc"], trained["sc"], trained["tok"]
+    path = tc.save_weights_for_sampler("pinned").result().path
+    sampler = sc.create_sampling_client(model_path=path).result()
+    prompt = prompt_of(tok, PROMPTS[0])
+    samples(sampler, prompt, 1, GREEDY)
+    ref = store_ref(server, path)
+    assert ref in server.service.slots.snapshots()
+    rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(tinker.APIStatusError) as ended:
+        sampler.sample(prompt, 1, GREEDY).result()
+    assert ended.value.status_code == 404
+    assert f"samples {path}, which was deleted" in ended.value.body["detail"]
+    deadline = time.monotonic() + 10
+    while ref in server.service.slots.snapshots() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the store entry and its slot go on the worker
+    assert ref not in server.service.slots.snapshots()
+    assert samples(trained["sampler"], prompt, 1, GREEDY)  # another checkpoint's sampler goes on

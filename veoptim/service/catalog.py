@@ -44,7 +44,8 @@ class Catalog:
 
     def _run_json(self, tenant_id: int, run: Run) -> dict[str, Any]:
         latest = {
-            kind: self.db.latest_checkpoint(tenant_id, run.id, kind) for kind in CheckpointKind
+            kind: self.db.latest_checkpoint(tenant_id, run.id, kind)
+            for kind in (CheckpointKind.TRAINING, CheckpointKind.SAMPLER)
         }
         return {
             "training_run_id": run.id, "base_model": run.base_model, "model_owner": run.owner,

@@ -119,6 +119,42 @@ class Checkpoints:
             result["sampling_session_id"] = sid
         return result
 
+    def submit_save_external(self, model: Model, seq_id: int, request: types.SaveWeightsExternalRequest,
+                             key: str) -> dict[str, Any]:  # fmt: skip
+        """``save_weights_external``: the slot's PEFT adapter as
+        ``tinker://{run}/external_weights/{name}``, to download (never loaded)."""
+
+        def prepare() -> Op:
+            if request.age_encryption_recipients:
+                raise ServiceError("age_encryption_recipients is not supported by this server.")
+            ref = paths.CheckpointRef(
+                model.id, CheckpointKind.EXTERNAL, paths.check_name(request.path)
+            )
+            return Op("save_weights", None, run=lambda: self._save_external(model, ref))
+
+        future = self.engine.submit(model.tenant_id, model, seq_id, "save_weights", prepare, key)
+        return queued(future, model.id)
+
+    def _save_external(self, model: Model, ref: paths.CheckpointRef) -> dict[str, Any]:
+        slot = self.backend.ready(model)
+        if self.db.checkpoint(model.tenant_id, ref.run_id, ref.kind, ref.name) is not None:
+            raise ServiceError(
+                f"path: checkpoint {ref.path} already exists; save under another name."
+            )
+        store_ref = paths.new_store_ref()
+        try:
+            directory = self.trainer.export_slot(slot, store_ref)
+            size = sum(
+                p.stat().st_size for p in Path(directory).resolve().rglob("*") if p.is_file()
+            )
+            self.db.record_checkpoint(model.tenant_id, ref.run_id, ref.kind, ref.name, store_ref,
+                                      size)  # fmt: skip
+        except Exception:
+            self.trainer.delete_checkpoint(store_ref)
+            raise
+        self.metrics.write(model.id, model.tenant_id, slot, "save_weights", path=ref.path)
+        return {"path": ref.path, "size_bytes": size, "type": "save_weights_external"}
+
     # ------------------------------------------------------------------ load
     def submit_load(self, model: Model, seq_id: int, path: str, optimizer: bool,
                     key: str) -> dict[str, Any]:  # fmt: skip
@@ -203,15 +239,20 @@ class Checkpoints:
         return self.trainer.export_dir(paths.check_name(store_ref))
 
     def downloadable(self, tenant_id: int, run_id: str, checkpoint_id: str) -> Path:
-        """The PEFT adapter directory of the tenant's sampler checkpoint (its files are
-        :data:`DOWNLOADS`); a training checkpoint has none."""
+        """The PEFT adapter directory (its files are :data:`DOWNLOADS`) of the tenant's
+        external or sampler checkpoint; ``external_weights/<name>`` also names the export
+        of sampler checkpoint ``<name>``. A training checkpoint has none."""
         ref = paths.parse_checkpoint_id(run_id, checkpoint_id)
-        record = paths.find(self.db, tenant_id, ref, "checkpoint_id")
-        if ref.kind != CheckpointKind.SAMPLER:
+        if ref.kind == CheckpointKind.TRAINING:
             raise ServiceError(
                 f"checkpoint_id: {ref.path} is a training checkpoint, which has no PEFT export; "
-                "save_weights_for_sampler exports the adapter, then download that checkpoint."
+                "save_weights_external (or save_weights_for_sampler) exports the adapter."
             )
+        record = self.db.checkpoint(tenant_id, ref.run_id, ref.kind, ref.name)
+        if record is None and ref.kind == CheckpointKind.EXTERNAL:
+            record = self.db.checkpoint(tenant_id, ref.run_id, CheckpointKind.SAMPLER, ref.name)
+        if record is None:
+            raise NotFound(f"checkpoint_id: checkpoint {ref.path} was not found.")
         directory = self.export_dir(record.store_ref)
         if not directory.is_dir():
             raise NotFound(f"checkpoint_id: {ref.path} has no PEFT export on this server.")

@@ -94,6 +94,7 @@ class FutureStatus(StrEnum):
 class CheckpointKind(StrEnum):
     TRAINING = "training"  # adapter, optimizer state and schedule
     SAMPLER = "sampler"  # adapter weights only, with a PEFT export
+    EXTERNAL = "external"  # a PEFT export alone (save_weights_external): downloaded, never loaded
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,10 @@ from veoptim.service.errors import NotFound, ServiceError
 
 SCHEME = "tinker://"
 #: path segment <-> checkpoint kind (the SDK's ParsedCheckpointTinkerPath).
-SEGMENTS = {"weights": CheckpointKind.TRAINING, "sampler_weights": CheckpointKind.SAMPLER}
+SEGMENTS = {"weights": CheckpointKind.TRAINING, "sampler_weights": CheckpointKind.SAMPLER,
+            "external_weights": CheckpointKind.EXTERNAL}  # fmt: skip
+#: The kinds a slot loads (an external checkpoint is a PEFT export, for download only).
+LOADABLE = (CheckpointKind.TRAINING, CheckpointKind.SAMPLER)
 KIND_SEGMENT = {kind: segment for segment, kind in SEGMENTS.items()}
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -62,16 +65,17 @@ class CheckpointRef:
         return f"{SCHEME}{self.run_id}/{self.checkpoint_id}"
 
 
-def parse(path: object, field: str = "path") -> CheckpointRef:
-    """The reference ``path`` names; a malformed one is refused naming ``field``."""
+def parse(path: object, field: str = "path", kinds: tuple[CheckpointKind, ...] = LOADABLE,
+          ) -> CheckpointRef:  # fmt: skip
+    """The reference ``path`` names, of one of ``kinds``; a malformed one is refused
+    naming ``field``."""
     if not isinstance(path, str) or not path.startswith(SCHEME):
         raise ServiceError(f"{field} must be a tinker:// checkpoint path, got {path!r}.")
     parts = path[len(SCHEME) :].split("/")
-    if len(parts) != 3 or parts[1] not in SEGMENTS or not RUN_ID.fullmatch(parts[0]):
-        raise ServiceError(
-            f"{field} must be tinker://<training_run_id>/weights/<name> or "
-            f"tinker://<training_run_id>/sampler_weights/<name>, got {path!r}."
-        )
+    segments = [KIND_SEGMENT[kind] for kind in kinds]
+    if len(parts) != 3 or parts[1] not in segments or not RUN_ID.fullmatch(parts[0]):
+        forms = " or ".join(f"tinker://<training_run_id>/{segment}/<name>" for segment in segments)
+        raise ServiceError(f"{field} must be {forms}, got {path!r}.")
     return CheckpointRef(parts[0], SEGMENTS[parts[1]], check_name(parts[2], field))
 
 

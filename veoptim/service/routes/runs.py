@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse, Response
 
 from veoptim.service import paths
 from veoptim.service.checkpoints import DOWNLOADS
+from veoptim.service.db import CheckpointKind
 from veoptim.service.errors import NotFound
 from veoptim.service.routes.deps import API, ServiceDep, TenantDep, blocking
 from veoptim.service.runtime import Service
@@ -66,7 +67,7 @@ async def download(token: str, name: str, service: ServiceDep) -> Response:
 
 
 def _export_of(service: Service, tenant_id: int, tinker_path: str) -> Any:
-    ref = paths.parse(tinker_path)
+    ref = paths.parse(tinker_path, kinds=tuple(CheckpointKind))
     return service.checkpoints.downloadable(tenant_id, ref.run_id, ref.checkpoint_id)
 
 

@@ -108,6 +108,18 @@ async def save_weights_for_sampler(
                           request.sampling_session_seq_id, idempotency_key(http))  # fmt: skip
 
 
+@router.post("/save_weights_external")
+async def save_weights_external(
+    http: Request, tenant: TenantDep, service: ServiceDep,
+    request: Annotated[types.SaveWeightsExternalRequest,
+                       body(types.SaveWeightsExternalRequest, "save_weights")],
+) -> dict[str, Any]:  # fmt: skip
+    model = await live_model(http, service, tenant, request.model_id)
+    seq_id = seq_of(http, request.seq_id)
+    return await blocking(service, service.checkpoints.submit_save_external, model, seq_id,
+                          request, idempotency_key(http))  # fmt: skip
+
+
 @router.post("/load_weights")
 async def load_weights(
     http: Request, tenant: TenantDep, service: ServiceDep,
