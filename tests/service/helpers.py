@@ -38,7 +38,7 @@ BASE_MODEL = "tiny_dense"
 OVERRIDES = [
     "lora.num_slots=4", "lora.r=8", "data.max_seq_len=64", "checkpoint.fsync=false",
     "serve.poll_timeout_s=5", "serve.drain_timeout_s=10", "serve.seq_gap_timeout_s=10",
-    "logging.progress=false",
+    "logging.progress=false", "serve.tokenizer_cache=",
 ]  # fmt: skip
 
 

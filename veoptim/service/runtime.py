@@ -29,6 +29,7 @@ from veoptim.service.db import DB_FILE, Database
 from veoptim.service.engine import Engine, Op
 from veoptim.service.errors import Redactor
 from veoptim.service.futures import FutureTable
+from veoptim.service.hub_cache import install_tokenizer
 from veoptim.service.links import Links
 from veoptim.service.metrics import MetricsLog
 from veoptim.service.ranks import ServedTrainer
@@ -73,6 +74,7 @@ class Service:
         self.links = Links()
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="veoptim-service-io")
         self.checkpoints.prune_unrecorded()
+        self._install_tokenizer()
         self._stop = threading.Event()
         self._housekeeper = threading.Thread(target=self._housekeeping, daemon=True,
                                              name="veoptim-service-housekeeping")  # fmt: skip
@@ -89,6 +91,21 @@ class Service:
             for name, digest in read_keys_file(self.cfg.serve.keys_file):
                 db.add_tenant(name, digest)
         return db
+
+    def _install_tokenizer(self) -> None:
+        """The served tokenizer in the Hugging Face cache (``serve.tokenizer_cache``);
+        best-effort: a server that cannot write there serves all the same."""
+        cache = self.cfg.serve.tokenizer_cache
+        if not cache:
+            return
+        if cache == "auto":
+            from huggingface_hub.constants import HF_HUB_CACHE
+
+            cache = HF_HUB_CACHE
+        try:
+            install_tokenizer(Path(self.base.tokenizer_dir), self.base.name, Path(cache))
+        except OSError as exc:
+            log.warning("could not install the served tokenizer in %s: %s", cache, exc)
 
     def start(self, worker_thread: bool = True) -> None:
         """Start housekeeping and (with ``worker_thread``) the worker on its own thread;
