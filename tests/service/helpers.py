@@ -212,17 +212,19 @@ class SubprocessServer(Served):
     ``tests/forkserver.py``); ``keys`` written once per run dir."""
 
     def __init__(self, run_dir: Path, *extra: str, keys: dict[str, str] | None = None,
-                 kill_at: str = "", port: int = 0) -> None:  # fmt: skip
-        """``kill_at``: ``PHASE:N``, the server kills itself at the N-th save reaching PHASE
-        (``tests/service/killing_serve.py``); ``port``: 0 = a free one."""
+                 kill_at: str = "", pause_at: str = "", port: int = 0) -> None:  # fmt: skip
+        """``kill_at``: ``PHASE:N``, the server kills itself at the N-th save reaching PHASE;
+        ``pause_at``: ``PHASE:N:FILE``, that save waits for FILE (both
+        ``tests/service/killing_serve.py``); ``port``: 0 = a free one."""
         run_dir.mkdir(parents=True, exist_ok=True)
         keys = keys or write_keys(run_dir / "keys.txt")
         port = port or free_port()
         super().__init__(f"http://{HOST}:{port}", keys, run_dir)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         module = "tasks.serve"
-        if kill_at:
-            module, env["VEOPTIM_TEST_KILL_AT"] = "tests.service.killing_serve", kill_at
+        if kill_at or pause_at:
+            module = "tests.service.killing_serve"
+            env.update(VEOPTIM_TEST_KILL_AT=kill_at, VEOPTIM_TEST_PAUSE_AT=pause_at)
         self.log = (run_dir / "server.log").open("ab")
         self.proc = forkserver.ForkedModule(
             module, [f"run.dir={run_dir}", f"serve.port={port}",
