@@ -43,17 +43,15 @@ ADAM = {"learning_rate": (1e-4, 0.0, None), "beta1": (0.9, 0.0, 1.0), "beta2": (
 
 
 class Batch:
-    """One forward_backward request's rows, ready to join other models' rows."""
+    """One forward_backward (or forward) request's rows, ready to join other models' rows
+    of the same loss: a forward beside a forward_backward trains nothing of its model."""
 
     def __init__(self, model: Model, loss: Loss, forward_only: bool, data: list[Datum]) -> None:
         self.model, self.loss, self.forward_only, self.data = model, loss, forward_only, data
 
     def joins(self, other: Any) -> bool:
         return (
-            isinstance(other, Batch)
-            and other.loss == self.loss
-            and other.forward_only == self.forward_only
-            and other.model.id != self.model.id
+            isinstance(other, Batch) and other.loss == self.loss and other.model.id != self.model.id
         )
 
 
@@ -207,7 +205,8 @@ class Backend:
         return Op(kind, None, batch=Batch(model, loss, request.forward_only, data))
 
     def forward_backward(self, ops: list[Op]) -> list[Any]:
-        """Run the batches of ``ops`` (one per model, same loss and mode) as one slot batch."""
+        """Run the batches of ``ops`` (one per model, same loss) as one slot batch; only the
+        slots of the forward_backward parts train."""
         parts: list[Batch] = [op.batch for op in ops]
         results: list[Any] = [None] * len(parts)
         live = []
@@ -221,7 +220,10 @@ class Backend:
         rows = [(slot, d) for _, part, slot in live for d in part.data]
         began = time.perf_counter()
         batch = build_batch(rows, parts[0].loss)
-        out = self.trainer.forward_tokens(batch, parts[0].loss, backward=not parts[0].forward_only)
+        training = {slot for _, part, slot in live if not part.forward_only}
+        mixed = bool(training) and len(training) < len(live)
+        out = self.trainer.forward_tokens(batch, parts[0].loss, backward=bool(training),
+                                          train_slots=training if mixed else None)  # fmt: skip
         start = 0
         for k, part, slot in live:
             outputs, loss_sum = [], 0.0
