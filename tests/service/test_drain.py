@@ -79,6 +79,14 @@ def test_sigterm_drains_refusing_new_work_and_finishing_the_queued(tmp_path):
                         "lora_config": {"rank": 2},
                     },
                 ),  # fmt: skip
+                "create_sampling_session": http.post(
+                    "/create_sampling_session",
+                    json={
+                        "session_id": session,
+                        "sampling_session_seq_id": 0,
+                        "base_model": BASE_MODEL,
+                    },
+                ),  # fmt: skip
                 "forward_backward": http.post(
                     "/forward_backward", content=fwd_body(model, 4, [datum([1, 2])]), headers=PROTO
                 ),  # fmt: skip

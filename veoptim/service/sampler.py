@@ -112,6 +112,7 @@ class Samplers:
                request: types.CreateSamplingSessionRequest) -> str:  # fmt: skip
         """A sampling session of ``model_path`` (a tinker:// checkpoint of this tenant) or
         of the base model alone; its id."""
+        self.engine.check_open()
         seq = request.sampling_session_seq_id
         if seq < 0:
             raise ServiceError(f"sampling_session_seq_id must be >= 0, got {seq}.")
