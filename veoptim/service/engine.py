@@ -9,9 +9,11 @@ used is refused at submit (unless it is a retry: the same ``X-Idempotency-Key``)
 request refused at submit for bad input still uses its ``seq_id`` (the SDK has moved
 on), so the model's next request does not wait for it.
 
-With ``serve.batch_tenants`` the worker runs the ``forward_backward`` requests at the
-head of several models' queues as one slot batch (:meth:`Backend.forward_backward`), and
-the waiting ``asample`` requests (outside any model's order) as one sampling batch.
+With ``serve.batch_tenants`` the worker runs the ``forward_backward`` and ``forward``
+requests of one loss at the head of several models' queues as one slot batch
+(:meth:`Backend.forward_backward`; a forward trains nothing), and the waiting ``asample``
+requests (outside any model's order) as one sampling batch. :meth:`Engine.submit`
+validates a request outside the engine's lock, its ``seq_id`` reserved meanwhile.
 """
 
 from __future__ import annotations
@@ -145,7 +147,12 @@ class Engine:
             with self._cond:
                 model.reserved.pop(seq_id, None)
                 self._enqueue(model, seq_id, op, idempotency_key)
+                dropped = self.models.get(model.id) is not model
+                if dropped:  # its creation failed meanwhile: nothing would run it
+                    model.queue.pop(seq_id, None)
                 self._cond.notify_all()
+        if dropped:
+            self.futures.fail(op.future, f"model_id {model.id} could not be created.", USER)  # type: ignore[arg-type]
         return op.future
 
     def refused(self, tenant_id: int, model_id: str, seq_id: int, kind: str) -> None:
