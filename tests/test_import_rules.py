@@ -133,13 +133,17 @@ def library_modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted((REPO / "veoptim").rglob("*.py"))}
 
 
-def runtime_imports(module: str, path: Path, modules: Collection[str]) -> set[str]:
+def runtime_imports(module: str, path: Path, modules: Collection[str],
+                    type_checking: bool = False) -> set[str]:  # fmt: skip
     """The library modules ``module`` imports when it runs (also inside functions; not
-    under ``if TYPE_CHECKING:``, which never runs). ``from package import submodule`` is an
-    edge to the submodule only: its package was imported before the importing module."""
+    under ``if TYPE_CHECKING:``, which never runs, unless ``type_checking``). ``from package
+    import submodule`` is an edge to the submodule only: its package was imported before
+    the importing module."""
     tree = ast.parse(path.read_text())
     skipped: set[int] = set()
     for node in ast.walk(tree):
+        if type_checking:
+            break
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skipped.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
     found = set()
@@ -194,6 +198,24 @@ def test_no_library_files_import_each_other_round_a_circle():
     graph = {name: runtime_imports(name, path, modules) for name, path in modules.items()}
     assert sum(len(edges) for edges in graph.values()) > 100  # the graph is really read
     assert circles(graph) == []
+
+
+def test_the_service_package_has_no_import_circle_not_even_for_type_checking():
+    """The training service's layers (HTTP -> engine -> backend -> slots, the data layer
+    beneath them) only ever import downwards: no circle closed by ``TYPE_CHECKING``."""
+    modules = {n: p for n, p in library_modules().items() if _within(n, "veoptim.service")}
+    graph = {n: runtime_imports(n, p, modules, type_checking=True) for n, p in modules.items()}
+    assert sum(len(edges) for edges in graph.values()) > 50  # the graph is really read
+    assert circles(graph) == []
+
+
+def test_a_type_checking_import_counts_for_the_service(tmp_path):
+    """Negative control: an import under ``if TYPE_CHECKING:`` is an edge for the service's
+    check, and none for the library-wide one."""
+    source = tmp_path / "a.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import b\n")
+    assert runtime_imports("a", source, {"a", "b"}, type_checking=True) == {"b"}
+    assert runtime_imports("a", source, {"a", "b"}) == set()
 
 
 def test_the_circle_check_finds_a_circle():

@@ -76,6 +76,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         f"lora.num_slots={SLOTS}", f"lora.r={args.rank}", f"lora.alpha={2 * args.rank}",
         f"lora.target_modules=[{','.join(TARGETS)}]", "data.max_seq_len=128",
         "checkpoint.fsync=false", "logging.progress=false", "serve.poll_timeout_s=20",
+        "serve.tokenizer_cache=",
     ]  # fmt: skip
 
 

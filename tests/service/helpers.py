@@ -38,7 +38,7 @@ BASE_MODEL = "tiny_dense"
 OVERRIDES = [
     "lora.num_slots=4", "lora.r=8", "data.max_seq_len=64", "checkpoint.fsync=false",
     "serve.poll_timeout_s=5", "serve.drain_timeout_s=10", "serve.seq_gap_timeout_s=10",
-    "logging.progress=false",
+    "logging.progress=false", "serve.tokenizer_cache=",
 ]  # fmt: skip
 
 
@@ -186,7 +186,19 @@ class InProcessServer(Served):
         return self.service.trainer
 
     def slot_of(self, model_id: str) -> int:
-        return self.service.engine.models[model_id].slot
+        return self.service.slots.of_model(model_id)
+
+    def tenant_id(self, name: str) -> int:
+        return self.service.db.tenant_id(name)
+
+    def store_ref(self, path: str, tenant: str = "alice") -> str:
+        """The slot-store entry behind the tenant's ``tinker://`` path."""
+        from veoptim.service import paths
+
+        ref = paths.parse(path)
+        return self.service.db.checkpoint(
+            self.tenant_id(tenant), ref.run_id, ref.kind, ref.name
+        ).store_ref
 
     def close(self) -> None:
         self.uvicorn.should_exit = True
@@ -200,17 +212,19 @@ class SubprocessServer(Served):
     ``tests/forkserver.py``); ``keys`` written once per run dir."""
 
     def __init__(self, run_dir: Path, *extra: str, keys: dict[str, str] | None = None,
-                 kill_at: str = "", port: int = 0) -> None:  # fmt: skip
-        """``kill_at``: ``PHASE:N``, the server kills itself at the N-th save reaching PHASE
-        (``tests/service/killing_serve.py``); ``port``: 0 = a free one."""
+                 kill_at: str = "", pause_at: str = "", port: int = 0) -> None:  # fmt: skip
+        """``kill_at``: ``PHASE:N``, the server kills itself at the N-th save reaching PHASE;
+        ``pause_at``: ``PHASE:N:FILE``, that save waits for FILE (both
+        ``tests/service/killing_serve.py``); ``port``: 0 = a free one."""
         run_dir.mkdir(parents=True, exist_ok=True)
         keys = keys or write_keys(run_dir / "keys.txt")
         port = port or free_port()
         super().__init__(f"http://{HOST}:{port}", keys, run_dir)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         module = "tasks.serve"
-        if kill_at:
-            module, env["VEOPTIM_TEST_KILL_AT"] = "tests.service.killing_serve", kill_at
+        if kill_at or pause_at:
+            module = "tests.service.killing_serve"
+            env.update(VEOPTIM_TEST_KILL_AT=kill_at, VEOPTIM_TEST_PAUSE_AT=pause_at)
         self.log = (run_dir / "server.log").open("ab")
         self.proc = forkserver.ForkedModule(
             module, [f"run.dir={run_dir}", f"serve.port={port}",

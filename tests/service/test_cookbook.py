@@ -49,7 +49,7 @@ def test_the_cookbook_trains_saves_and_resumes(tmp_path):
         out = cookbook(srv, log_path, 5, tmp_path)
         assert f"Resumed training from {saves[1]['state_path']}" in out
         assert "Training completed successfully" in out
-        runs = srv.service.db.all("SELECT id FROM training_runs")
-        assert len(runs) == 2  # the resumed run is a new model, loaded with optimizer state
+        _, runs = srv.service.db.runs(srv.tenant_id("alice"), 100, 0)
+        assert runs == 2  # the resumed run is a new model, loaded with optimizer state
     finally:
         srv.close()

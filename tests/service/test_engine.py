@@ -13,8 +13,8 @@ from tinker import types
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from tests.service.helpers import BASE_MODEL, datum
-from veoptim.service.db import Database
-from veoptim.service.engine import READY, Engine, Model, Op
+from veoptim.service.db import Database, ModelStatus
+from veoptim.service.engine import Engine, Model, Op
 from veoptim.service.errors import ServiceError
 from veoptim.service.futures import FutureTable
 from veoptim.service.wire import ForwardBackwardRequest, decode_forward_backward
@@ -40,7 +40,7 @@ def engine(tmp_path, batch_tenants=True, gap=10.0) -> tuple[Engine, list]:
 
 
 def add(e: Engine, name: str) -> Model:
-    model = Model(name, 1, "s", status=READY, next_seq=1)
+    model = Model(name, 1, "s", status=ModelStatus.READY, next_seq=1)
     e.add_model(model)
     return model
 

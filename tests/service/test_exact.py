@@ -78,3 +78,24 @@ def test_save_state_and_load_with_optimizer_continue_exactly(server):
     assert any(k.startswith(".master_weight") for k in after) and ".steps" in after
     sc.close("success").result()
     other.close("success").result()
+
+
+def test_a_datum_in_several_chunks_gives_the_logprobs_and_loss_of_one_chunk(server):
+    """The server reads every ``encoded_text`` chunk of a datum's input, in order."""
+    sc = server.client("alice")
+    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=13).result()
+    (whole,) = examples(tc.get_tokenizer(), 1)
+    ids = whole.model_input.to_ints()
+    cuts = [0, 2, 3, len(ids) - 4, len(ids)]
+    chunked = types.Datum(
+        model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=ids[a:b])
+                                             for a, b in zip(cuts, cuts[1:], strict=False)]),
+        loss_fn_inputs=whole.loss_fn_inputs,
+    )  # fmt: skip
+    assert chunked.model_input.to_ints() == ids and len(chunked.model_input.chunks) == 4
+    for call in (tc.forward, tc.forward_backward):
+        one, several = (call([d], "cross_entropy").result() for d in (whole, chunked))
+        assert np.array_equal(bits(several.loss_fn_outputs[0]["logprobs"].to_numpy()),
+                              bits(one.loss_fn_outputs[0]["logprobs"].to_numpy()))  # fmt: skip
+        assert several.metrics["loss:sum"] == one.metrics["loss:sum"]
+    sc.close("success").result()

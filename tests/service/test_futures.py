@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from veoptim.service.db import Database
-from veoptim.service.engine import MAX_AHEAD, READY, Engine, Model, Op
+from veoptim.service.db import Database, ModelStatus
+from veoptim.service.engine import MAX_AHEAD, Engine, Model, Op
 from veoptim.service.errors import ServiceError
 from veoptim.service.futures import FutureTable
 
@@ -46,7 +46,7 @@ def test_finished_results_leave_the_count_when_swept(tmp_path):
 def test_used_seq_ids_are_remembered_for_a_window_and_pruned_in_bulk(tmp_path):
     engine = Engine(table(tmp_path, 10**6), batch_tenants=False, gap_timeout_s=60,
                     run_batch=lambda ops: [{} for _ in ops])  # fmt: skip
-    model = Model("m", 1, "s", status=READY, next_seq=1)
+    model = Model("m", 1, "s", status=ModelStatus.READY, next_seq=1)
     engine.add_model(model)
     sizes = []
     last = 5 * MAX_AHEAD

@@ -17,7 +17,6 @@ import torch
 from tests import forkserver
 from tests.conftest import REPO
 from tests.service.helpers import InProcessServer, client_env, differences
-from veoptim.service import paths
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 REFUSALS = ["other tenant's path", "truncated checkpoint", "sampler with optimizer",
@@ -52,10 +51,7 @@ def batched(tmp_path_factory):
 
 
 def truncate_a_shard(srv: InProcessServer, path: str) -> None:
-    ref = paths.parse(path)
-    row = srv.service.db.one("SELECT store_ref FROM checkpoints WHERE run_id = ? AND kind = ? AND name = ?",
-                             (ref.run_id, ref.kind, ref.name))  # fmt: skip
-    shards = sorted(p for p in (srv.trainer.store.root / row["store_ref"]).rglob("__*.raw"))
+    shards = sorted(p for p in (srv.trainer.store.root / srv.store_ref(path)).rglob("__*.raw"))
     target = Path(shards[0]).resolve()
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
 

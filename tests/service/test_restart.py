@@ -1,7 +1,8 @@
 """A server process killed with SIGKILL at three points — inside a save (its files written,
 not published; a request waiting in its model's order), while training, and after a save
 was published by the slot store but before the service recorded it — and started again on
-the same run dir each time: the recorded checkpoints are listed and loadable, the client
+the same run dir each time: the store entries of the interrupted saves are removed at
+start, the recorded checkpoints are listed and loadable, the client
 resumes from the last one and continues bit for bit like the uninterrupted run, the
 request pending at the crash answers a server error, a sampling session of the killed
 server samples its snapshot as before, and SIGTERM then exits 0."""
@@ -17,6 +18,7 @@ from tinker import types
 
 from tests.service.helpers import BASE_MODEL, SubprocessServer, datum, examples, train_step
 from tests.service.test_bad_inputs import PROTO, fwd_body
+from veoptim.service.db import DB_FILE, Database
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -33,6 +35,19 @@ def logprob_bits(result) -> list[bytes]:
     return [
         np.asarray(o["logprobs"].to_numpy(), np.float32).tobytes() for o in result.loss_fn_outputs
     ]
+
+
+def unrecorded(run_dir) -> set[str]:
+    """The slot-store entries no checkpoint record names (a save a crash interrupted)."""
+    database = Database(run_dir / DB_FILE)
+    try:
+        recorded = database.recorded_store_refs()
+    finally:
+        database.close()
+    root = run_dir / "checkpoints" / "slots"
+    on_disk = {p.name for p in root.iterdir() if p.is_dir()} if root.is_dir() else set()
+    assert recorded <= on_disk  # every recorded checkpoint is there
+    return on_disk - recorded
 
 
 def test_a_restart_after_sigkill_lists_and_resumes_the_published_checkpoints(tmp_path):
@@ -63,8 +78,10 @@ def test_a_restart_after_sigkill_lists_and_resumes_the_published_checkpoints(tmp
     finally:
         first.kill()
 
+    assert len(unrecorded(run_dir)) == 1  # s3, written and never published
     second = SubprocessServer(run_dir, keys=first.keys)
     try:
+        assert unrecorded(run_dir) == set()  # start-up removed it
         with second.http("alice") as http:
             answer = http.post("/retrieve_future", json={"request_id": pending}).json()
             assert answer["category"] == "server" and "restarted" in answer["error"]
@@ -114,8 +131,10 @@ def test_a_restart_after_sigkill_lists_and_resumes_the_published_checkpoints(tmp
     finally:
         third.kill()
 
+    assert len(unrecorded(run_dir)) == 1  # s5, published by the store, never recorded
     fourth = SubprocessServer(run_dir, keys=first.keys)
     try:
+        assert unrecorded(run_dir) == set()
         rest = tinker.RestClient(base_url=fourth.url, api_key=fourth.keys["alice"])
         checkpoints = rest.list_checkpoints(again.model_id).result().checkpoints
         assert checkpoints == []  # an unrecorded save is not listed

@@ -17,7 +17,9 @@ import concurrent.futures
 import json
 import math
 import time
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -66,9 +68,7 @@ def samples(sampler, prompt, n: int, params) -> list[tuple[list[int], str]]:
 
 
 def store_ref(server, path: str) -> str:
-    name = path.rsplit("/", 1)[1]
-    row = server.service.db.one("SELECT store_ref FROM checkpoints WHERE name = ?", (name,))
-    return row["store_ref"]
+    return server.store_ref(path)
 
 
 def test_save_weights_for_sampler_publishes_a_snapshot_and_a_sampler_names_it(server, trained):
@@ -78,7 +78,7 @@ def test_save_weights_for_sampler_publishes_a_snapshot_and_a_sampler_names_it(se
     listed = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
     assert path in listed
     ref = store_ref(server, path)
-    assert (server.service.backend.export_dir(ref) / "adapter_config.json").is_file()
+    assert (server.service.checkpoints.export_dir(ref) / "adapter_config.json").is_file()
     sampler = trained["sampler"]
     info = rest.get_sampler(sampler._sampling_session_id).result()
     assert (info.base_model, info.model_path) == (BASE_MODEL, path)
@@ -93,7 +93,7 @@ def test_greedy_samples_equal_peft_generate_on_the_snapshot_export(server, train
     from transformers import AutoModelForCausalLM
 
     tok, sampler = trained["tok"], trained["sampler"]
-    export = server.service.backend.export_dir(store_ref(server, trained["path"]))
+    export = server.service.checkpoints.export_dir(store_ref(server, trained["path"]))
     base = AutoModelForCausalLM.from_pretrained(export.parent.parent / "hf_base",
                                                 dtype=torch.float32)  # fmt: skip
     reference = PeftModel.from_pretrained(base, str(export)).eval()
@@ -203,9 +203,8 @@ def test_concurrent_requests_of_two_tenants_batch_and_sample_as_alone(server, tr
         together = [(a.result(), b.result()) for a, b in jobs]
     assert together == alone
     # the same requests as one batch of rows on the worker's path, deterministically
-    backend = server.service.backend
-    tenants = {name: server.service.db.one("SELECT id FROM tenants WHERE name = ?", (name,))["id"]
-               for name in ("alice", "bob")}  # fmt: skip
+    service = server.service
+    tenants = {name: server.tenant_id(name) for name in ("alice", "bob")}
     bodies = []
     for tenant, s in (("alice", sampler), ("bob", bobs)):
         for p in prompts:
@@ -213,14 +212,15 @@ def test_concurrent_requests_of_two_tenants_batch_and_sample_as_alone(server, tr
                 bodies.append((tenants[tenant], {
                     "sampling_session_id": s._sampling_session_id, "num_samples": n,
                     "prompt": p.model_dump(mode="json"), "sampling_params": params.model_dump()}))  # fmt: skip
-    ops = [backend.samplers.prepare(t, body)[0] for t, body in bodies]
-    batched = backend.run_batch(ops)
+    ops = [service.samplers.prepare(t, types.SampleRequest.model_validate(body))[0]
+           for t, body in bodies]  # fmt: skip
+    batched = service.run_batch(ops)
     assert len({op.batch.request.store_ref for op in ops}) == 2
     flat = [v for pair in alone for v in pair]
     got = [[(q.tokens, q.stop_reason) for q in decode(r).sequences] for r in batched]
     assert got == flat  # the same tokens; log-probs to float rounding (padded rows)
     for op, result in zip(ops, batched, strict=True):
-        for a, b in zip(decode(result).sequences, decode(backend.run_batch([op])[0]).sequences,
+        for a, b in zip(decode(result).sequences, decode(service.run_batch([op])[0]).sequences,
                         strict=True):  # fmt: skip
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     sc.close("success").result()
@@ -267,12 +267,12 @@ def test_training_models_take_snapshot_slots_and_snapshots_come_back(server, tra
     tok, sampler = trained["tok"], trained["sampler"]
     prompt = prompt_of(tok, PROMPTS[0])
     greedy = samples(sampler, prompt, 1, GREEDY)
-    assert server.service.backend.samplers.slots  # the snapshot is cached in a slot
+    assert server.service.slots.snapshots()  # the snapshot is cached in a slot
     bob = server.client("bob")
-    free = server.trainer.num_slots - len(server.service.backend.used_slots())
+    free = server.trainer.num_slots - server.service.slots.training()
     models = [bob.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
               for _ in range(free)]  # fmt: skip
-    assert len(models) == free and not server.service.backend.samplers.slots
+    assert len(models) == free and not server.service.slots.snapshots()
     with pytest.raises(tinker.RequestFailedError, match="lora.num_slots"):
         sampler.sample(prompt, 1, GREEDY).result()
     bob.close("success").result()
@@ -283,7 +283,7 @@ def test_deleting_a_sampler_checkpoint_removes_its_entry_and_export(server, trai
     tc = trained["tc"]
     path = tc.save_weights_for_sampler("gone").result().path
     ref = store_ref(server, path)
-    export = server.service.backend.export_dir(ref)
+    export = server.service.checkpoints.export_dir(ref)
     entry = server.trainer.store.root / ref
     assert export.is_dir() and entry.is_dir()
     rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
@@ -295,3 +295,143 @@ def test_deleting_a_sampler_checkpoint_removes_its_entry_and_export(server, trai
     with pytest.raises(tinker.APIStatusError) as caught:
         trained["sc"].create_sampling_client(model_path=path).result()
     assert caught.value.status_code == 404
+
+
+def next_token_logits(server, trained, text: str) -> torch.Tensor:
+    """The snapshot's next-token logits after ``text``, from its PEFT export (FP32)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    export = server.service.checkpoints.export_dir(store_ref(server, trained["path"]))
+    base = AutoModelForCausalLM.from_pretrained(export.parent.parent / "hf_base",
+                                                dtype=torch.float32)  # fmt: skip
+    reference = PeftModel.from_pretrained(base, str(export)).eval()
+    with torch.no_grad():
+        return reference(input_ids=torch.tensor([trained["tok"].encode(text)])).logits[0, -1]
+
+
+def test_top_k_samples_only_among_the_k_likeliest_and_can_pick_each(server, trained):
+    tok, sampler = trained["tok"], trained["sampler"]
+    text = PROMPTS[2]
+    ranked = next_token_logits(server, trained, text).sort(descending=True).values
+    gaps = {k: float(ranked[k - 1] - ranked[k]) for k in range(2, 9)}
+    k = max(gaps, key=gaps.get)  # a clear boundary: no near-tie decides the set
+    assert gaps[k] > 1e-3
+    expected = set(next_token_logits(server, trained, text).topk(k).indices.tolist())
+    flat = types.SamplingParams(max_tokens=1, temperature=100.0, top_k=k, seed=3, stop=[])
+    drawn = [s[0][0] for s in samples(sampler, prompt_of(tok, text), 64, flat)]
+    assert set(drawn) == expected  # only the k likeliest, and each of them
+    free = types.SamplingParams(max_tokens=1, temperature=100.0, seed=3, stop=[])
+    assert not set(s[0][0] for s in samples(sampler, prompt_of(tok, text), 64, free)) <= expected
+    one = types.SamplingParams(max_tokens=8, temperature=1.0, top_k=1, seed=5, stop=[])
+    greedy = types.SamplingParams(max_tokens=8, temperature=0, stop=[])
+    for text in PROMPTS:
+        assert [t for t, _ in samples(sampler, prompt_of(tok, text), 3, one)] == [
+            t for t, _ in samples(sampler, prompt_of(tok, text), 3, greedy)
+        ]
+
+
+def download(rest: tinker.RestClient, path: str, into: Path) -> dict[str, str]:
+    """The files of external-weights path ``path`` through their signed URLs (no key)."""
+    import urllib.request
+
+    answer = rest.get_external_weights_urls(path).result()
+    assert set(answer.urls) == {"adapter_config.json", "adapter_model.safetensors"}
+    into.mkdir(parents=True, exist_ok=True)
+    for name, url in answer.urls.items():
+        with urllib.request.urlopen(url, timeout=30) as response:
+            (into / name).write_bytes(response.read())
+    return answer.urls
+
+
+def test_a_tenant_downloads_its_sampler_checkpoint_and_plain_peft_loads_it(
+    server, trained, tmp_path
+):
+    """``RestClient.get_external_weights_urls`` on a sampler checkpoint (its path with
+    ``external_weights``): signed links to its PEFT adapter, which plain ``peft`` loads on
+    the base and samples like the server."""
+    import urllib.error
+    import urllib.request
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
+    external = trained["path"].replace("/sampler_weights/", "/external_weights/")
+    urls = download(rest, external, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == BASE_MODEL  # not the server's path
+    export = server.service.checkpoints.export_dir(store_ref(server, trained["path"]))
+    weights = "adapter_model.safetensors"
+    assert (tmp_path / weights).read_bytes() == (export / weights).read_bytes()
+    base = AutoModelForCausalLM.from_pretrained(export.parent.parent / "hf_base",
+                                                dtype=torch.float32)  # fmt: skip
+    adapter = PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    tok = trained["tok"]
+    ids = tok.encode(PROMPTS[0])
+    with torch.no_grad():
+        out = adapter.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                               temperature=None, top_p=None, top_k=None,
+                               pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()  # fmt: skip
+    params = types.SamplingParams(max_tokens=6, temperature=0, stop=[])
+    assert samples(trained["sampler"], prompt_of(tok, PROMPTS[0]), 1, params)[0][0] == out
+    forged = urls[weights].replace("/downloads/", "/downloads/x")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(forged, timeout=30)
+    assert refused.value.code == 401
+    bob = tinker.RestClient(base_url=server.url, api_key=server.keys["bob"])
+    with pytest.raises(tinker.NotFoundError):
+        bob.get_external_weights_urls(external).result()
+    with httpx.Client(
+        base_url=f"{server.url}/api/v1", headers={"X-API-Key": server.keys["alice"]}
+    ) as http:
+        training = trained["tc"].save_state("not_downloadable").result().path
+        run, checkpoint = training.removeprefix("tinker://").split("/", 1)
+        refused = http.get(f"/training_runs/{run}/checkpoints/{checkpoint}/external_weights_urls")
+        assert refused.status_code == 400 and "checkpoint_id" in refused.json()["detail"]
+
+
+def test_save_weights_external_exports_the_adapter_to_download(server, trained, tmp_path):
+    """The SDK's own way home: ``save_weights_external`` then ``get_external_weights_urls``
+    (a PEFT export, listed as an ``external`` checkpoint, deletable, never loaded)."""
+    tc = trained["tc"]
+    saved = tc.save_weights_external("home").result().path
+    assert saved == f"tinker://{tc.model_id}/external_weights/home"
+    rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
+    download(rest, saved, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == BASE_MODEL and config["r"] == 8
+    listed = {
+        c.tinker_path: c.checkpoint_type
+        for c in rest.list_checkpoints(tc.model_id).result().checkpoints
+    }
+    assert listed[saved] == "external"
+    with pytest.raises(tinker.APIStatusError) as refused:
+        trained["sc"].create_training_client_from_state(saved).result()
+    assert refused.value.status_code == 400 and "path must be" in str(refused.value.body)
+    rest.delete_checkpoint_from_tinker_path(saved).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_external_weights_urls(saved).result()
+
+
+def test_deleting_a_checkpoint_a_sampler_samples_ends_that_sampler_clearly(server, trained):
+    """The rule: a delete is never refused; the samplers of the deleted checkpoint end at
+    once (their next request answers 404 naming the checkpoint) and its slot is freed."""
+    tc, sc, tok = trained["tc"], trained["sc"], trained["tok"]
+    path = tc.save_weights_for_sampler("pinned").result().path
+    sampler = sc.create_sampling_client(model_path=path).result()
+    prompt = prompt_of(tok, PROMPTS[0])
+    samples(sampler, prompt, 1, GREEDY)
+    ref = store_ref(server, path)
+    assert ref in server.service.slots.snapshots()
+    rest = tinker.RestClient(base_url=server.url, api_key=server.keys["alice"])
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(tinker.APIStatusError) as ended:
+        sampler.sample(prompt, 1, GREEDY).result()
+    assert ended.value.status_code == 404
+    assert f"samples {path}, which was deleted" in ended.value.body["detail"]
+    deadline = time.monotonic() + 10
+    while ref in server.service.slots.snapshots() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the store entry and its slot go on the worker
+    assert ref not in server.service.slots.snapshots()
+    assert samples(trained["sampler"], prompt, 1, GREEDY)  # another checkpoint's sampler goes on

@@ -103,18 +103,15 @@ def test_two_ranks_serve_what_one_process_serves(tmp_path):
         assert run["seeded"][0] == run["seeded"][1]
         assert all(row == run["greedy"][0] for row in run["greedy"])
     # Across rank counts: the first step is the same computation (bitwise); after it the
-    # gradient of a batch is the sum of the ranks' partial sums, another float order.
+    # gradient of a batch is the sum of the ranks' partial sums, another float order
+    # (measured: losses 1.006e-4 relative apart, a forward of the trained BF16 model 1.7e-3;
+    # docs/service.md states 3e-4 and 5e-3).
     assert two["losses"][0] == one["losses"][0]
-    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-4)
-    np.testing.assert_allclose(two["bob"], one["bob"], rtol=1e-4)
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=3e-4)
+    np.testing.assert_allclose(two["bob"], one["bob"], rtol=3e-4)
     assert two["base_greedy"] == one["base_greedy"]
-    # The row alone on rank 0, rank 1 padding: after 5 steps the two runs' weights differ
-    # by float order (rtol 1e-4 above), and the forward runs in BF16, whose step at |lp| ~ 5
-    # is 0.03: 8e-3 was measured on a Xeon with AMX-BF16 (1e-3 held on a CPU without BF16
-    # instructions, which computes BF16 matmuls another way). A padding bug would move
-    # a log-prob by whole units.
     lp = [np.frombuffer(b, np.float32) for b in (one["one_row"][0], two["one_row"][0])]
-    np.testing.assert_allclose(lp[1], lp[0], rtol=0, atol=2e-2)
+    np.testing.assert_allclose(lp[1], lp[0], rtol=5e-3, atol=1e-3)
 
 
 def test_a_killed_rank_fails_the_request_in_flight_with_a_server_error(tmp_path):

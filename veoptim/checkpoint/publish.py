@@ -526,6 +526,41 @@ def remove_version(version: Path) -> None:
     shutil.rmtree(version)
 
 
+def remove_root(root: Path) -> None:
+    """Delete a checkpoint root and every version in it: all manifests first (no reader
+    takes a half-deleted version for a complete one), then each version, then the rest
+    (names, debris). Nothing there: nothing to do."""
+    root = Path(root)
+    try:
+        versions = sorted(e for e in os.listdir(versions_dir(root)) if is_version_id(e))
+    except FileNotFoundError:
+        versions = []
+    for entry in versions:
+        with suppress(FileNotFoundError):
+            manifest_path(version_dir(root, entry)).unlink()
+    for entry in versions:
+        with suppress(FileNotFoundError):
+            shutil.rmtree(version_dir(root, entry))
+    with suppress(FileNotFoundError):
+        shutil.rmtree(root)
+
+
+def unpublish(root: Path, name: str) -> bool:
+    """Delete published name ``name`` of ``root`` and the version it points to (manifest
+    first, then the name, then the files); False when ``name`` is not published there."""
+    version_id = read_link(Path(root), name)
+    if version_id is None:
+        return False
+    version = version_dir(Path(root), version_id)
+    with suppress(FileNotFoundError):
+        manifest_path(version).unlink()
+    with suppress(FileNotFoundError):
+        link_path(Path(root), name).unlink()
+    with suppress(FileNotFoundError):
+        shutil.rmtree(version)
+    return True
+
+
 def collect_garbage(
     root: Path,
     *,

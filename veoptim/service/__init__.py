@@ -2,11 +2,13 @@
 protocol) over the multi-LoRA :class:`~veoptim.lora.slots.SlotTrainer`: one training
 client is one slot. See ``docs/service.md``.
 
-Modules, one job each: ``config`` (the ``serve`` section), ``errors`` (what a client is
-told), ``paths`` (``tinker://`` references), ``auth`` (API keys and tenants), ``db``
-(the SQLite state), ``futures`` (request results and long polls), ``wire`` (protobuf
-bodies through the SDK's own schema), ``losses`` (the loss registry), ``engine`` (the
-worker that owns the trainer), ``app`` (the HTTP routes), ``server`` (uvicorn, signals).
+Layers, each calling only those below it (``docs/service.md``, "How it is built"): HTTP
+(``app``, ``routes/``) -> the engine (``engine``, ``futures``) -> what a request does
+(``backend``, ``checkpoints``, ``sampler``, ``sessions``, ``catalog``) -> the slots
+(``slots``, the one owner of slot occupancy, over ``ranks``), with the data layer
+(``db``: every SQL statement) beneath them. Beside them: ``config``, ``errors``,
+``paths``, ``auth``, ``wire``, ``losses``, ``links``, ``hub_cache``, ``served``,
+``metrics``, ``runtime`` (the parts put together) and ``server`` (uvicorn, signals).
 """
 
 from veoptim.service.config import ServeConfig

@@ -19,6 +19,12 @@ class ServeSection:
     keys_file: str = opt(
         "", "File of API keys, one 'NAME tml-KEY' per line (# comments); hashed into the db."
     )
+    tokenizer_cache: str = opt(
+        "auto",
+        "Hugging Face cache into which the served tokenizer is installed at start under "
+        "serve.base_model, so SDK clients on this machine load it offline "
+        "(SamplingClient.get_tokenizer); auto = the huggingface_hub cache, empty = none.",
+    )
     session_timeout_s: float = opt(
         120.0, "A session without a heartbeat for this long is finished and its slots freed."
     )

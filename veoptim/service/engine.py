@@ -9,9 +9,11 @@ used is refused at submit (unless it is a retry: the same ``X-Idempotency-Key``)
 request refused at submit for bad input still uses its ``seq_id`` (the SDK has moved
 on), so the model's next request does not wait for it.
 
-With ``serve.batch_tenants`` the worker runs the ``forward_backward`` requests at the
-head of several models' queues as one slot batch (:meth:`Backend.forward_backward`), and
-the waiting ``asample`` requests (outside any model's order) as one sampling batch.
+With ``serve.batch_tenants`` the worker runs the ``forward_backward`` and ``forward``
+requests of one loss at the head of several models' queues as one slot batch
+(:meth:`Backend.forward_backward`; a forward trains nothing), and the waiting ``asample``
+requests (outside any model's order) as one sampling batch. :meth:`Engine.submit`
+validates a request outside the engine's lock, its ``seq_id`` reserved meanwhile.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from veoptim.errors import VeoptimError
-from veoptim.service.errors import SERVER, USER, NotFound, ServiceError
+from veoptim.service.db import ModelStatus
+from veoptim.service.errors import SERVER, USER, NotFound, ServiceError, Unavailable, describe
 from veoptim.service.futures import Future, FutureTable
 
 log = logging.getLogger("veoptim.service")
@@ -32,7 +34,12 @@ log = logging.getLogger("veoptim.service")
 MAX_AHEAD = 4096
 #: At most this many requests outside any model's order (sampling) run as one batch.
 MAX_FREE_BATCH = 32
-CREATING, READY, FAILED, UNLOADED = "creating", "ready", "failed", "unloaded"
+#: How long a retried submission waits for the first one's validation to end.
+RETRY_WAIT_S = 30.0
+DRAINING = (
+    "the server is draining (it received SIGTERM) and accepts no new work; try another "
+    "server or later."
+)
 
 
 @dataclass
@@ -47,16 +54,20 @@ class Op:
 
 @dataclass
 class Model:
+    """A training client's model in this server process: its status and request order
+    (which slot it holds is :class:`~veoptim.service.slots.Slots`' business)."""
+
     id: str
     tenant_id: int
     session_id: str
-    status: str = CREATING
-    slot: int | None = None
+    status: ModelStatus = ModelStatus.CREATING
     rank: int = 0
     next_seq: int = 0
     queue: dict[int, Op] = field(default_factory=dict)
     #: seq_id -> (idempotency key, future) of the recent submissions (for retries).
     seen: dict[int, tuple[str, Future | None]] = field(default_factory=dict)
+    #: seq_id -> idempotency key of the submissions being validated right now.
+    reserved: dict[int, str] = field(default_factory=dict)
     error: str = ""
 
 
@@ -77,7 +88,7 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    # ------------------------------------------------------------------ submit
+    # ------------------------------------------------------------------ models
     def model(self, model_id: str, tenant_id: int) -> Model:
         model = self.models.get(model_id)
         if model is None or model.tenant_id != tenant_id:
@@ -86,58 +97,104 @@ class Engine:
 
     def add_model(self, model: Model) -> None:
         with self._cond:
+            self.check_open()
             if model.id in self.models:
                 raise ServiceError(
                     f"model_seq_id: model {model.id} already exists in this session."
                 )
             self.models[model.id] = model
 
+    def drop_model(self, model: Model, error: str) -> None:
+        """Forget a model whose creation failed: it leaves nothing behind; a request that
+        already waits in its order fails with the creation's error."""
+        with self._cond:
+            if self.models.get(model.id) is model:
+                del self.models[model.id]
+            waiting = [op for op in model.queue.values() if op.future is not None]
+            model.queue.clear()
+        for op in waiting:
+            self.futures.fail(op.future, error, USER)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ submit
+    def check_open(self) -> None:
+        if self._stopping:
+            raise Unavailable(DRAINING)
+
     def submit(self, tenant_id: int, model: Model | None, seq_id: int | None, kind: str,
                prepare: Callable[[], Op], idempotency_key: str = "") -> Future:  # fmt: skip
         """Validate (``prepare`` builds the op; its ServiceError refuses the request) and
-        queue a request of ``model`` at ``seq_id`` (None: in arrival order)."""
-        with self._cond:
-            if self._stopping:
-                raise ServiceError("the server is shutting down.", status=503, category=SERVER)
-            if model is not None and seq_id is not None:
-                retried = self._check_seq(model, seq_id, idempotency_key)
-                if retried is not None:
-                    return retried
-            runnable = model is not None and seq_id == model.next_seq
-            try:
-                op = prepare()
-                op.future = self.futures.create(
-                    tenant_id, model.id if model else None, kind, limited=not runnable
-                )
-            except ServiceError:
-                if model is not None and seq_id is not None:
-                    self._enqueue(model, seq_id, Op(kind, None), idempotency_key)
-                raise
-            if model is None or seq_id is None:
+        queue a request of ``model`` at ``seq_id`` (None: in arrival order). Validation
+        runs outside the engine's lock; a model's ``seq_id`` is reserved meanwhile."""
+        if model is None or seq_id is None:
+            self.check_open()
+            op = prepare()
+            op.future = self.futures.create(tenant_id, model.id if model else None, kind)
+            with self._cond:
                 self._free.append(op)
-            else:
-                self._enqueue(model, seq_id, op, idempotency_key)
-            self._cond.notify_all()
+                self._cond.notify_all()
             return op.future
+        with self._cond:
+            self.check_open()
+            retried = self._reserve(model, seq_id, idempotency_key)
+            if retried is not None:
+                return retried
+            runnable = seq_id == model.next_seq
+        op = Op(kind, None)
+        try:
+            op = prepare()
+            op.future = self.futures.create(tenant_id, model.id, kind, limited=not runnable)
+        finally:  # a refused request still uses its seq_id: the next one does not wait
+            with self._cond:
+                model.reserved.pop(seq_id, None)
+                self._enqueue(model, seq_id, op, idempotency_key)
+                dropped = self.models.get(model.id) is not model
+                if dropped:  # its creation failed meanwhile: nothing would run it
+                    model.queue.pop(seq_id, None)
+                self._cond.notify_all()
+        if dropped:
+            self.futures.fail(op.future, f"model_id {model.id} could not be created.", USER)  # type: ignore[arg-type]
+        return op.future
 
-    def _check_seq(self, model: Model, seq_id: int, key: str) -> Future | None:
-        """Refuse a used or out-of-order ``seq_id``; the future of a retried submission."""
-        if model.status in (FAILED, UNLOADED):
+    def refused(self, tenant_id: int, model_id: str, seq_id: int, kind: str) -> None:
+        """Record ``seq_id`` of the tenant's model as used by a request refused before it
+        reached :meth:`submit` (its body did not validate); anything else is ignored."""
+        with self._cond:
+            model = self.models.get(model_id)
+            if model is None or model.tenant_id != tenant_id:
+                return
+            try:
+                if self._reserve(model, seq_id, "") is not None:
+                    return
+            except ServiceError:
+                return
+            model.reserved.pop(seq_id, None)
+            self._enqueue(model, seq_id, Op(kind, None), "")
+            self._cond.notify_all()
+
+    def _reserve(self, model: Model, seq_id: int, key: str) -> Future | None:
+        """Under the lock: refuse a used or out-of-order ``seq_id``, or reserve it; the
+        future of a retried submission (the same idempotency key)."""
+        if model.status == ModelStatus.UNLOADED:
             reason = f": {model.error}" if model.error else "."
             raise ServiceError(f"model_id {model.id} is {model.status}{reason}")
+        deadline = time.monotonic() + RETRY_WAIT_S
+        while key and model.reserved.get(seq_id) == key and time.monotonic() < deadline:
+            self._cond.wait(0.05)  # the first submission is being validated
         if seq_id in model.seen:
             seen_key, future = model.seen[seq_id]
             if key and seen_key == key and future is not None:
                 return future
+        if seq_id in model.seen or seq_id in model.reserved:
             raise ServiceError(
                 f"seq_id {seq_id} was already used for model {model.id} (the next one is "
-                f"{max(model.seen) + 1}); send each request once, in order."
+                f"{max([*model.seen, *model.reserved]) + 1}); send each request once, in order."
             )
         if seq_id < model.next_seq or seq_id > model.next_seq + MAX_AHEAD:
             raise ServiceError(
                 f"seq_id {seq_id} is out of order for model {model.id}: expected "
                 f"{model.next_seq} to {model.next_seq + MAX_AHEAD}."
             )
+        model.reserved[seq_id] = key
         return None
 
     def _enqueue(self, model: Model, seq_id: int, op: Op, key: str) -> None:
@@ -280,12 +337,3 @@ class Engine:
             return (
                 not self._busy and not self._free and not any(m.queue for m in self.models.values())
             )
-
-
-def describe(exc: BaseException) -> tuple[str, str]:
-    """(one-sentence message, category) of a failed request."""
-    if isinstance(exc, ServiceError):
-        return exc.message, exc.category
-    if isinstance(exc, VeoptimError):
-        return str(exc), USER
-    return f"internal server error ({type(exc).__name__}: {exc}).", SERVER

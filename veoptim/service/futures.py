@@ -13,8 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from veoptim.service import db as D
-from veoptim.service.errors import SERVER, NotFound, ServiceError
+from veoptim.service.db import Database, FutureStatus
+from veoptim.service.errors import SERVER, NotFound, Redactor, ServiceError
 
 #: A finished result is kept this long after it was first retrieved, and at most
 #: RESULT_TTL_S after it finished (a client may poll again after a lost reply).
@@ -27,7 +27,7 @@ class Future:
     tenant_id: int
     model_id: str | None
     kind: str
-    status: str = D.PENDING
+    status: FutureStatus = FutureStatus.PENDING
     #: protobuf bytes (forward_backward) or a JSON-able dict.
     result: bytes | dict[str, Any] | None = None
     error: str = ""
@@ -37,9 +37,19 @@ class Future:
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=list)
 
 
+def queued(future: Future, model_id: str | None = None) -> dict[str, Any]:
+    """The immediate answer of a queued request: the future to retrieve."""
+    return {"request_id": future.id, "model_id": model_id or future.model_id}
+
+
 class FutureTable:
-    def __init__(self, database: D.Database, max_pending_per_tenant: int) -> None:
+    """The futures of one server. Every failure message passes ``redact`` on its way in,
+    so what a tenant reads of a failed request never names a server path or store entry."""
+
+    def __init__(self, database: Database, max_pending_per_tenant: int,
+                 redact: Redactor | None = None) -> None:  # fmt: skip
         self.db, self.max_pending = database, max_pending_per_tenant
+        self.redact = redact or Redactor(())
         self._lock = threading.Lock()
         self._futures: dict[str, Future] = {}
         self._pending: Counter[int] = Counter()  # tenant id -> its pending futures
@@ -58,48 +68,45 @@ class FutureTable:
             future = Future(uuid.uuid4().hex, tenant_id, model_id, kind)
             self._futures[future.id] = future
             self._pending[tenant_id] += 1
-        self.db.execute(
-            "INSERT INTO futures (id, tenant_id, model_id, kind, status, created) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (future.id, tenant_id, model_id, kind, D.PENDING, time.time()),
-        )
+        self.db.add_future(tenant_id, future.id, model_id, kind)
         return future
 
     def finish(self, future: Future, result: bytes | dict[str, Any]) -> None:
-        self._complete(future, D.DONE, result=result)
+        self._complete(future, FutureStatus.DONE, result=result)
 
     def fail(self, future: Future, message: str, category: str) -> None:
-        self._complete(future, D.FAILED, error=message, category=category)
+        self._complete(future, FutureStatus.FAILED, error=self.redact(message), category=category)
 
-    def _complete(self, future: Future, status: str, **values: Any) -> None:
+    def _complete(self, future: Future, status: FutureStatus, **values: Any) -> None:
         with self._lock:
-            if future.status != D.PENDING:
+            if future.status != FutureStatus.PENDING:
                 return
             for key, value in values.items():
                 setattr(future, key, value)
             future.status, future.finished_at = status, time.time()
             self._pending[future.tenant_id] -= 1
             waiters, future.waiters = future.waiters, []
-        self.db.execute(
-            "UPDATE futures SET status = ?, category = ?, error = ?, finished = ? WHERE id = ?",
-            (status, future.category or None, future.error or None, future.finished_at, future.id),
-        )
+        self.db.finish_future(future.tenant_id, future.id, status, future.category, future.error,
+                              future.finished_at)  # fmt: skip
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
+
+    def in_memory(self, request_id: str, tenant_id: int) -> Future | None:
+        """The tenant's future ``request_id`` if this process holds it (no I/O)."""
+        with self._lock:
+            future = self._futures.get(request_id)
+        return future if future is not None and future.tenant_id == tenant_id else None
 
     def lookup(self, request_id: str, tenant_id: int) -> Future:
         """The tenant's future ``request_id``: in memory, else as the database knows it (a
         future of an earlier server process)."""
-        with self._lock:
-            future = self._futures.get(request_id)
-        if future is not None and future.tenant_id == tenant_id:
+        future = self.in_memory(request_id, tenant_id)
+        if future is not None:
             return future
-        row = self.db.one(
-            "SELECT * FROM futures WHERE id = ? AND tenant_id = ?", (request_id, tenant_id)
-        )
+        row = self.db.future(tenant_id, request_id)
         if row is None:
             raise NotFound(f"request_id {request_id!r} is not a request of this tenant.")
-        old = Future(row["id"], tenant_id, row["model_id"], row["kind"], status=D.FAILED)
+        old = Future(row["id"], tenant_id, row["model_id"], row["kind"], status=FutureStatus.FAILED)
         old.category = row["category"] or SERVER
         old.error = row["error"] or (
             "the server restarted after this request finished; its result was not kept."
@@ -110,7 +117,7 @@ class FutureTable:
         """Return when ``future`` finished or after ``timeout`` seconds."""
         event = asyncio.Event()
         with self._lock:
-            if future.status != D.PENDING:
+            if future.status != FutureStatus.PENDING:
                 return
             entry = (asyncio.get_running_loop(), event)
             future.waiters.append(entry)
@@ -129,7 +136,7 @@ class FutureTable:
 
     def pending(self) -> list[Future]:
         with self._lock:
-            return [f for f in self._futures.values() if f.status == D.PENDING]
+            return [f for f in self._futures.values() if f.status == FutureStatus.PENDING]
 
     def sweep(self, now: float | None = None) -> None:
         """Forget finished results past their retention."""
@@ -138,7 +145,7 @@ class FutureTable:
             for fid in [
                 fid
                 for fid, f in self._futures.items()
-                if f.status != D.PENDING
+                if f.status != FutureStatus.PENDING
                 and (
                     (f.retrieved_at and now - f.retrieved_at > RETRIEVED_TTL_S)
                     or now - f.finished_at > RESULT_TTL_S

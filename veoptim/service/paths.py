@@ -11,14 +11,18 @@ name in the slot store, so no client text ever becomes a file path.
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
 
+from veoptim.service.db import Checkpoint, CheckpointKind, Database
 from veoptim.service.errors import NotFound, ServiceError
 
 SCHEME = "tinker://"
-TRAINING, SAMPLER = "training", "sampler"
 #: path segment <-> checkpoint kind (the SDK's ParsedCheckpointTinkerPath).
-SEGMENTS = {"weights": TRAINING, "sampler_weights": SAMPLER}
+SEGMENTS = {"weights": CheckpointKind.TRAINING, "sampler_weights": CheckpointKind.SAMPLER,
+            "external_weights": CheckpointKind.EXTERNAL}  # fmt: skip
+#: The kinds a slot loads (an external checkpoint is a PEFT export, for download only).
+LOADABLE = (CheckpointKind.TRAINING, CheckpointKind.SAMPLER)
 KIND_SEGMENT = {kind: segment for segment, kind in SEGMENTS.items()}
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -26,6 +30,15 @@ RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 def model_id(session_id: str, model_seq_id: int) -> str:
     return f"{session_id}:train:{model_seq_id}"
+
+
+def sampler_id(session_id: str, seq_id: int) -> str:
+    return f"{session_id}:sample:{seq_id}"
+
+
+def new_store_ref() -> str:
+    """A fresh slot-store entry name (``errors.STORE_REF`` recognises them)."""
+    return f"c{uuid.uuid4().hex[:20]}"
 
 
 def check_name(name: object, field: str = "path") -> str:
@@ -40,7 +53,7 @@ def check_name(name: object, field: str = "path") -> str:
 @dataclass(frozen=True)
 class CheckpointRef:
     run_id: str
-    kind: str
+    kind: CheckpointKind
     name: str
 
     @property
@@ -52,16 +65,17 @@ class CheckpointRef:
         return f"{SCHEME}{self.run_id}/{self.checkpoint_id}"
 
 
-def parse(path: object, field: str = "path") -> CheckpointRef:
-    """The reference ``path`` names; a malformed one is refused naming ``field``."""
+def parse(path: object, field: str = "path", kinds: tuple[CheckpointKind, ...] = LOADABLE,
+          ) -> CheckpointRef:  # fmt: skip
+    """The reference ``path`` names, of one of ``kinds``; a malformed one is refused
+    naming ``field``."""
     if not isinstance(path, str) or not path.startswith(SCHEME):
         raise ServiceError(f"{field} must be a tinker:// checkpoint path, got {path!r}.")
     parts = path[len(SCHEME) :].split("/")
-    if len(parts) != 3 or parts[1] not in SEGMENTS or not RUN_ID.fullmatch(parts[0]):
-        raise ServiceError(
-            f"{field} must be tinker://<training_run_id>/weights/<name> or "
-            f"tinker://<training_run_id>/sampler_weights/<name>, got {path!r}."
-        )
+    segments = [KIND_SEGMENT[kind] for kind in kinds]
+    if len(parts) != 3 or parts[1] not in segments or not RUN_ID.fullmatch(parts[0]):
+        forms = " or ".join(f"tinker://<training_run_id>/{segment}/<name>" for segment in segments)
+        raise ServiceError(f"{field} must be {forms}, got {path!r}.")
     return CheckpointRef(parts[0], SEGMENTS[parts[1]], check_name(parts[2], field))
 
 
@@ -71,3 +85,12 @@ def parse_checkpoint_id(run_id: str, checkpoint_id: str) -> CheckpointRef:
     if segment not in SEGMENTS or not NAME.fullmatch(name):
         raise NotFound(f"training run {run_id} has no checkpoint {checkpoint_id!r}.")
     return CheckpointRef(run_id, SEGMENTS[segment], name)
+
+
+def find(db: Database, tenant_id: int, ref: CheckpointRef, field: str = "path") -> Checkpoint:
+    """The tenant's checkpoint ``ref`` names; another tenant's is not found, like one that
+    does not exist."""
+    found = db.checkpoint(tenant_id, ref.run_id, ref.kind, ref.name)
+    if found is None:
+        raise NotFound(f"{field}: checkpoint {ref.path} was not found.")
+    return found

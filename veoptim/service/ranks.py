@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,8 +38,7 @@ from veoptim.lora.slots.tokens import (
     optim_step_clipped,
     sample_tokens,
 )
-from veoptim.service.engine import describe
-from veoptim.service.errors import SERVER, ServiceError
+from veoptim.service.errors import SERVER, ServiceError, describe
 
 log = logging.getLogger("veoptim.service")
 #: The followers wait for rank 0's next call as long as the job runs.
@@ -82,6 +81,12 @@ class ServedTrainer:
     def export_slot(self, slot: int, name: str) -> Path:
         return self._everywhere("export_slot", slot, name)
 
+    def delete_checkpoint(self, name: str) -> None:
+        self._everywhere("delete_checkpoint", name)
+
+    def prune_checkpoints(self, keep: Collection[str]) -> list[str]:
+        return self._everywhere("prune_checkpoints", set(keep))
+
     def slot_state(self, slot: int) -> dict[str, Any]:
         return self._everywhere("slot_state", slot)
 
@@ -89,11 +94,11 @@ class ServedTrainer:
         """``optim_step`` of ``slot`` with this call's gradient-norm clip (0 = none)."""
         return self._everywhere("optim_step", slot, grad_clip, **adam)
 
-    def forward_tokens(
-        self, batch: dict[str, torch.Tensor], loss: Any, backward: bool
-    ) -> TokenPass:
-        """:func:`forward_tokens` of ``loss.row_losses`` over ``batch``, each rank its rows."""
-        return self._everywhere("forward_tokens", batch, loss, backward)
+    def forward_tokens(self, batch: dict[str, torch.Tensor], loss: Any, backward: bool,
+                       train_slots: Collection[int] | None = None) -> TokenPass:  # fmt: skip
+        """:func:`forward_tokens` of ``loss.row_losses`` over ``batch``, each rank its rows
+        (``train_slots``: the slots that train; the others' rows are a forward only)."""
+        return self._everywhere("forward_tokens", batch, loss, backward, train_slots)
 
     def sample(self, rows: list[SampleRow]) -> list[SampledRow]:
         """:func:`sample_tokens` of ``rows``, each rank its share."""
@@ -189,17 +194,19 @@ def run_local(trainer: SlotTrainer, name: str, rank: int, world: int, args: tupl
 
 # ---------------------------------------------------------------------- the calls
 def _forward(trainer: SlotTrainer, rank: int, world: int, batch: dict[str, torch.Tensor],
-             loss: Any, backward: bool) -> TokenPass:  # fmt: skip
+             loss: Any, backward: bool, train_slots: Any = None) -> TokenPass:  # fmt: skip
     """This rank's rows of ``batch``; a rank without rows runs row 0 with its loss times 0
     (every rank takes part in the sharded model's collectives; the zeros add nothing)."""
     rows = rank_slice(batch[INPUT_IDS].shape[0], rank, world)
     if not rows:
         mine = {k: v[:1] for k, v in batch.items()}
         out = forward_tokens(trainer, mine, lambda lp, b: loss.row_losses(lp, b) * 0.0,
-                             backward=backward)  # fmt: skip
+                             backward=backward, train_slots=train_slots)  # fmt: skip
         return TokenPass(out.logprobs[:0], out.row_losses[:0])
     mine = {k: v[rows.start : rows.stop] for k, v in batch.items()}
-    return forward_tokens(trainer, mine, loss.row_losses, backward=backward)
+    return forward_tokens(
+        trainer, mine, loss.row_losses, backward=backward, train_slots=train_slots
+    )
 
 
 def _sample(trainer: SlotTrainer, rank: int, world: int, rows: list[SampleRow]) -> list:
@@ -213,6 +220,8 @@ CALLS: dict[str, Callable[..., Any]] = {
     "release_slot": lambda t, _r, _w, slot, /: t.release_slot(slot),
     "save_slot": lambda t, _r, _w, /, *a: t.save_slot(*a),
     "export_slot": lambda t, _r, _w, /, *a: t.export_slot(*a),
+    "delete_checkpoint": lambda t, _r, _w, name, /: t.delete_checkpoint(name),
+    "prune_checkpoints": lambda t, _r, _w, keep, /: t.prune_checkpoints(keep),
     "slot_state": lambda t, _r, _w, slot, /: t.slot_state(slot),
     "optim_step": lambda t, _r, _w, slot, clip, /, **adam: optim_step_clipped(
         t, slot, clip, **adam

@@ -21,33 +21,29 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
+from tinker import types
 
 from veoptim.lora.slots.tokens import SampleRow
 from veoptim.service import paths
-from veoptim.service.engine import Op
+from veoptim.service.db import Database
+from veoptim.service.engine import Engine, Op
 from veoptim.service.errors import NotFound, ServiceError
+from veoptim.service.futures import queued
+from veoptim.service.metrics import MetricsLog
+from veoptim.service.ranks import ServedTrainer
+from veoptim.service.served import ServedModel
+from veoptim.service.slots import Slots
 from veoptim.service.wire import encode_sample_response
-
-if TYPE_CHECKING:
-    from veoptim.service.backend import Backend
 
 log = logging.getLogger("veoptim.service")
 MAX_SAMPLES = 64
 #: Requests whose rows one sampling batch holds at most.
 MAX_BATCH_ROWS = 64
-UNSUPPORTED = {
-    "topk_prompt_logprobs": 0,
-    "topk_sample_logprobs": 0,
-    "prompt_alt_tokens_k": 0,
-}
-
-
-def sampler_id(session_id: str, seq_id: int) -> str:
-    return f"{session_id}:sample:{seq_id}"
+UNSUPPORTED = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
 
 
 @dataclass
@@ -82,193 +78,176 @@ class SampleBatch:
         return isinstance(other, SampleBatch) and other.base == self.base
 
 
-def _number(params: dict[str, Any], key: str, default: float) -> float:
-    value = params.get(key, default)
-    if value is None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ServiceError(f"sampling_params.{key} must be a finite number, got {value!r}.")
-    return float(value)
-
-
-def _integer(value: Any, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ServiceError(f"{field} must be an integer, got {value!r}.")
-    return value
-
-
-def prompt_tokens(prompt: Any) -> list[int]:
-    """The tokens of a JSON ``ModelInput`` (every chunk, in order; text chunks only)."""
-    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
-    if not isinstance(chunks, list):
-        raise ServiceError(f"prompt must be a ModelInput object with chunks, got {prompt!r:.80}.")
+def prompt_tokens(prompt: types.ModelInput) -> list[int]:
+    """The tokens of a ``ModelInput`` (every chunk, in order; text chunks only)."""
     tokens: list[int] = []
-    for j, chunk in enumerate(chunks):
-        kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
-        if kind != "encoded_text":
+    for j, chunk in enumerate(prompt.chunks):
+        if not isinstance(chunk, types.EncodedTextChunk):
             raise ServiceError(
-                f"prompt.chunks[{j}] is a {kind} chunk; only encoded_text (tokens) is supported."
+                f"prompt.chunks[{j}] is a {chunk.type} chunk; only encoded_text (tokens) is "
+                "supported."
             )
-        ids = chunk.get("tokens")
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids
-        ):
-            raise ServiceError(f"prompt.chunks[{j}].tokens must be a list of token ids.")
-        tokens += ids
+        tokens += chunk.tokens
     return tokens
 
 
-class Samplers:
-    """The samplers of one server: sessions in the database, snapshot slots in memory."""
+def _finite(params: types.SamplingParams, key: str) -> float:
+    value = float(getattr(params, key))
+    if not math.isfinite(value):
+        raise ServiceError(f"sampling_params.{key} must be a finite number, got {value!r}.")
+    return value
 
-    def __init__(self, backend: Backend) -> None:
-        self.backend, self.db, self.trainer = backend, backend.db, backend.trainer
-        #: snapshot store entry -> the slot it is loaded in; slot -> last use.
-        self.slots: dict[str, int] = {}
-        self.last_use: dict[int, float] = {}
+
+class Samplers:
+    """The samplers of one server: sessions in the database, snapshot slots in
+    :class:`~veoptim.service.slots.Slots`."""
+
+    def __init__(self, trainer: ServedTrainer, database: Database, engine: Engine, slots: Slots,
+                 served: ServedModel, metrics: MetricsLog) -> None:  # fmt: skip
+        self.trainer, self.db, self.engine, self.slots = trainer, database, engine, slots
+        self.served, self.metrics = served, metrics
 
     # ------------------------------------------------------------------ sessions
-    def create(self, tenant_id: int, session_id: str, seq_id: Any, model_path: Any,
-               base_model: Any) -> str:  # fmt: skip
+    def create(self, tenant_id: int, session_id: str,
+               request: types.CreateSamplingSessionRequest) -> str:  # fmt: skip
         """A sampling session of ``model_path`` (a tinker:// checkpoint of this tenant) or
         of the base model alone; its id."""
-        seq = _integer(seq_id, "sampling_session_seq_id")
+        self.engine.check_open()
+        seq = request.sampling_session_seq_id
         if seq < 0:
             raise ServiceError(f"sampling_session_seq_id must be >= 0, got {seq}.")
-        self.backend.check_base_model(base_model)
-        store_ref = None
+        self.served.check_name(request.base_model)
+        store_ref, model_path = None, request.model_path
         if model_path is not None:
             ref = paths.parse(model_path, "model_path")
-            record = self.backend._checkpoint(tenant_id, ref)
-            store_ref, model_path = str(record["store_ref"]), ref.path
-        elif base_model is None:
+            store_ref, model_path = (
+                paths.find(self.db, tenant_id, ref, "model_path").store_ref,
+                ref.path,
+            )
+        elif request.base_model is None:
             raise ServiceError("model_path or base_model is required to create a sampler.")
-        return self.record(tenant_id, session_id, seq, model_path, store_ref)
-
-    def record(self, tenant_id: int, session_id: str, seq: int, model_path: str | None,
-               store_ref: str | None) -> str:  # fmt: skip
-        sid = sampler_id(session_id, seq)
-        old = self.db.one("SELECT * FROM samplers WHERE id = ?", (sid,))
-        if old is not None:
-            # The SDK retries a create whose answer it lost: the same request, same session.
-            if (old["tenant_id"], old["model_path"], old["store_ref"]) == (
-                tenant_id, model_path, store_ref
-            ):  # fmt: skip
-                return sid
+        sid = paths.sampler_id(session_id, seq)
+        if not self.db.add_sampler(tenant_id, sid, session_id, self.served.name, model_path,
+                                   store_ref):  # fmt: skip
             raise ServiceError(f"sampling_session_seq_id {seq} was already used in this session.")
-        self.db.execute(
-            "INSERT INTO samplers (id, tenant_id, session_id, base_model, model_path, store_ref, "
-            "created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (sid, tenant_id, session_id, self.backend.base_model, model_path, store_ref,
-             time.time()),
-        )  # fmt: skip
         return sid
 
-    def get(self, sid: str, tenant_id: int) -> Any:
-        row = self.db.one("SELECT * FROM samplers WHERE id = ? AND tenant_id = ?", (sid, tenant_id))
-        if row is None:
-            raise NotFound(f"sampler {sid!r} was not found.")
-        return row
+    def get(self, tenant_id: int, sid: str, field: str = "sampler") -> Any:
+        found = self.db.sampler(tenant_id, sid)
+        if found is None:
+            raise NotFound(f"{field} {sid!r} was not found.")
+        return found
 
     # ------------------------------------------------------------------ asample
-    def prepare(self, tenant_id: int, body: dict[str, Any]) -> tuple[Op, list[str]]:
-        """Validate an asample body; the op and the ids of its samples."""
-        b = self.backend
-        if body.get("sampling_session_id") is not None:
-            row = self.get(str(body["sampling_session_id"]), tenant_id)
-            sid, store_ref = str(row["id"]), row["store_ref"]
-        elif body.get("model_path") is not None or body.get("base_model") is not None:
-            session = f"direct{secrets.token_hex(6)}"
-            sid = sampler_id(session, 0)
-            store_ref = None
-            if body.get("model_path") is not None:
-                ref = paths.parse(body["model_path"], "model_path")
-                store_ref = str(b._checkpoint(tenant_id, ref)["store_ref"])
-            b.check_base_model(body.get("base_model"))
-        else:
+    def submit(self, tenant_id: int, request: types.SampleRequest) -> dict[str, Any]:
+        """Queue an asample request; the answer carries its samples' ids."""
+        ids: list[str] = []
+
+        def prepare() -> Op:
+            op, sample_ids = self.prepare(tenant_id, request)
+            ids.extend(sample_ids)
+            return op
+
+        future = self.engine.submit(tenant_id, None, None, "sample", prepare)
+        return {**queued(future), "sample_sequence_ids": ids}
+
+    def _target(self, tenant_id: int, request: types.SampleRequest) -> tuple[str, str | None]:
+        """(sampler id, the store entry it samples; None: the base) of a request."""
+        if request.sampling_session_id is not None:
+            found = self.get(tenant_id, request.sampling_session_id, "sampling_session_id")
+            if not found.live:
+                raise NotFound(
+                    f"sampling_session_id {found.id!r} samples {found.model_path}, which was "
+                    "deleted or overwritten since; create a sampling client of a checkpoint "
+                    "that exists."
+                )
+            return found.id, found.store_ref
+        if request.model_path is None and request.base_model is None:
             raise ServiceError("sampling_session_id (or model_path / base_model) is required.")
-        for key, allowed in UNSUPPORTED.items():
-            if body.get(key, allowed) not in (allowed, None):
-                raise ServiceError(f"{key} is not supported by this server; send {allowed}.")
-        if body.get("target_prompt_logprobs") is not None:
+        self.served.check_name(request.base_model)
+        store_ref = None
+        if request.model_path is not None:
+            ref = paths.parse(request.model_path, "model_path")
+            store_ref = paths.find(self.db, tenant_id, ref, "model_path").store_ref
+        return paths.sampler_id(f"direct{secrets.token_hex(6)}", 0), store_ref
+
+    def prepare(self, tenant_id: int, request: types.SampleRequest) -> tuple[Op, list[str]]:
+        """Validate an asample request; the op and the ids of its samples."""
+        sid, store_ref = self._target(tenant_id, request)
+        for key in UNSUPPORTED:
+            if getattr(request, key):
+                raise ServiceError(f"{key} is not supported by this server; send 0.")
+        if request.target_prompt_logprobs is not None:
             raise ServiceError("target_prompt_logprobs is not supported by this server.")
-        prompt = prompt_tokens(body.get("prompt"))
+        prompt = prompt_tokens(request.prompt)
         if not prompt:
             raise ServiceError("prompt has no tokens.")
-        if min(prompt) < 0 or max(prompt) >= b.vocab:
-            raise ServiceError(f"prompt holds token ids outside the vocabulary [0, {b.vocab}).")
-        num = _integer(body.get("num_samples", 1), "num_samples")
+        self.served.check_tokens(prompt, "prompt")
+        num = request.num_samples
         if not 1 <= num <= MAX_SAMPLES:
             raise ServiceError(f"num_samples must be in [1, {MAX_SAMPLES}], got {num}.")
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            raise ServiceError(f"sampling_params must be an object, got {params!r}.")
-        room = b.max_tokens - len(prompt)
+        last_n = request.prompt_logprobs_last_n
+        if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
+            raise ServiceError(
+                f"prompt_logprobs_last_n must be in [1, {len(prompt) - 1}], got {last_n}."
+            )
+        sample = SampleRequest(tenant_id, sid, store_ref, prompt, num,
+                               **self._params(request.sampling_params, len(prompt)),
+                               prompt_logprobs=bool(request.prompt_logprobs), last_n=last_n)  # fmt: skip
+        tag = secrets.token_hex(6)
+        return Op("sample", None, batch=SampleBatch(sample)), [
+            f"{sid}:{tag}:{i}" for i in range(num)
+        ]
+
+    def _params(self, params: types.SamplingParams, prompt: int) -> dict[str, Any]:
+        """The checked ``sampling_params`` of a prompt of ``prompt`` tokens."""
+        context = self.served.max_tokens
+        room = context - prompt
         if room < 1:
             raise ServiceError(
-                f"prompt has {len(prompt)} tokens: no room to sample in the model's context of "
-                f"{b.max_tokens} (data.max_seq_len)."
+                f"prompt has {prompt} tokens: no room to sample in the model's context of "
+                f"{context} (data.max_seq_len)."
             )
-        max_tokens = params.get("max_tokens")
-        max_tokens = (
-            room if max_tokens is None else _integer(max_tokens, "sampling_params.max_tokens")
-        )
+        max_tokens = room if params.max_tokens is None else params.max_tokens
         if not 1 <= max_tokens <= room:
             raise ServiceError(
-                f"sampling_params.max_tokens must be in [1, {room}] (the context of {b.max_tokens} "
-                f"tokens, data.max_seq_len, less the prompt's {len(prompt)}), got {max_tokens}."
+                f"sampling_params.max_tokens must be in [1, {room}] (the context of {context} "
+                f"tokens, data.max_seq_len, less the prompt's {prompt}), got {max_tokens}."
             )
-        temperature = _number(params, "temperature", 1.0)
-        top_p = _number(params, "top_p", 1.0)
-        top_k = params.get("top_k", -1)
-        top_k = -1 if top_k is None else _integer(top_k, "sampling_params.top_k")
+        temperature, top_p, top_k = (
+            _finite(params, "temperature"),
+            _finite(params, "top_p"),
+            params.top_k,
+        )
         if temperature < 0:
             raise ServiceError(f"sampling_params.temperature must be >= 0, got {temperature}.")
         if not 0 < top_p <= 1:
             raise ServiceError(f"sampling_params.top_p must be in (0, 1], got {top_p}.")
         if top_k < -1 or top_k == 0:
             raise ServiceError(f"sampling_params.top_k must be -1 (no limit) or >= 1, got {top_k}.")
-        seed = params.get("seed")
-        seed = secrets.randbits(63) if seed is None else _integer(seed, "sampling_params.seed")
+        seed = secrets.randbits(63) if params.seed is None else params.seed
         if seed < 0:  # the seed feeds numpy's SeedSequence, which takes non-negative entropy
             raise ServiceError(f"sampling_params.seed must be >= 0, got {seed}.")
-        stop_ids, stop_strings = self._stops(params.get("stop", None), "stop" in params)
-        last_n = body.get("prompt_logprobs_last_n")
-        if last_n is not None:
-            last_n = _integer(last_n, "prompt_logprobs_last_n")
-            if not 1 <= last_n <= len(prompt) - 1:
-                raise ServiceError(
-                    f"prompt_logprobs_last_n must be in [1, {len(prompt) - 1}], got {last_n}."
-                )
-        request = SampleRequest(tenant_id, sid, store_ref, prompt, num, max_tokens, temperature, top_k, top_p,
-                                seed, stop_ids, stop_strings, bool(body.get("prompt_logprobs")),
-                                last_n)  # fmt: skip
-        tag = secrets.token_hex(6)
-        return Op("sample", None, batch=SampleBatch(request)), [
-            f"{sid}:{tag}:{i}" for i in range(num)
-        ]
+        stop_ids, stop_strings = self._stops(params.stop)
+        return {"max_tokens": max_tokens, "temperature": temperature, "top_k": top_k,
+                "top_p": top_p, "seed": seed, "stop_ids": stop_ids, "stop_strings": stop_strings}  # fmt: skip
 
-    def _stops(self, stop: Any, given: bool) -> tuple[frozenset[int], tuple[str, ...]]:
+    def _stops(self, stop: Any) -> tuple[frozenset[int], tuple[str, ...]]:
         """``None``: the tokenizer's EOS; ``[]``: none; token ids; strings."""
         if stop is None:
-            eos = self.trainer.tokenizer.eos_token_id
-            return (frozenset() if eos is None else frozenset({int(eos)})), ()
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list):
-            raise ServiceError(f"sampling_params.stop must be a string or a list, got {stop!r}.")
+            eos = self.served.eos_token_id
+            return (frozenset() if eos is None else frozenset({eos})), ()
+        stop = [stop] if isinstance(stop, str) else list(stop)
         if all(isinstance(s, str) for s in stop):
             if any(not s for s in stop):
                 raise ServiceError("sampling_params.stop holds an empty string.")
             return frozenset(), tuple(stop)
-        if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-            if any(not 0 <= s < self.backend.vocab for s in stop):
-                raise ServiceError(
-                    f"sampling_params.stop holds token ids outside the vocabulary "
-                    f"[0, {self.backend.vocab})."
-                )
-            return frozenset(stop), ()
-        raise ServiceError("sampling_params.stop must be all strings or all token ids.")
+        if any(not 0 <= s < self.served.vocab for s in stop):
+            raise ServiceError(
+                "sampling_params.stop holds token ids outside the vocabulary "
+                f"[0, {self.served.vocab})."
+            )
+        return frozenset(stop), ()
 
     # ------------------------------------------------------------------ worker
     def run(self, ops: list[Op]) -> list[Any]:
@@ -281,9 +260,7 @@ class Samplers:
         for k, op in enumerate(ops):
             request: SampleRequest = op.batch.request
             try:
-                slot = (
-                    None if request.store_ref is None else self.slot_for(request.store_ref, needed)
-                )
+                slot = self._slot(request, needed)
             except Exception as exc:
                 results[k] = exc
                 continue
@@ -310,63 +287,27 @@ class Samplers:
                 [(s.tokens, s.logprobs, s.stopped) for s in mine],
                 None if prompt_lp is None else prompt_lp.numpy(),
             )
-            self.backend.write_metric(request.sampler, request.tenant_id, slot, "sample",
-                                      samples=request.num_samples,
-                                      tokens=sum(len(s.tokens) for s in mine),
-                                      rows_in_batch=len(rows), seconds=seconds)  # fmt: skip
+            self.metrics.write(request.sampler, request.tenant_id, slot, "sample",
+                               samples=request.num_samples, tokens=sum(len(s.tokens) for s in mine),
+                               rows_in_batch=len(rows), seconds=seconds)  # fmt: skip
         log.info("sampled %d rows of %d requests in %.3f s", len(rows), len(owners), seconds)
         return results
 
-    def slot_for(self, store_ref: str, keep: set[Any]) -> int:
-        """The slot holding snapshot ``store_ref``, loading it into a free slot first."""
-        slot = self.slots.get(store_ref)
-        if slot is None:
-            slot = self.take_slot(keep)
-            try:
-                self.trainer.load_slot(slot, store_ref, load_optimizer=False)
-            except Exception:
-                if slot in self.trainer.slots:
-                    self.trainer.release_slot(slot)
-                raise
-            self.slots[store_ref] = slot
-            log.info("sampler snapshot %s loaded into slot %d", store_ref, slot)
-        self.last_use[slot] = time.monotonic()
-        return slot
-
-    def take_slot(self, keep: set[Any] | frozenset[Any] = frozenset()) -> int:
-        """A slot no training model and no snapshot holds, evicting the least recently used
-        snapshot not in ``keep`` when there is none; None when every slot trains."""
-        busy = self.backend.used_slots() | set(self.slots.values())
-        free = sorted(set(range(self.trainer.num_slots)) - busy)
-        if free:
-            return free[0]
-        evictable = [(self.last_use.get(s, 0.0), ref) for ref, s in self.slots.items()
-                     if ref not in keep]  # fmt: skip
-        if not evictable:
+    def _slot(self, request: SampleRequest, needed: set[Any]) -> int | None:
+        """The slot holding the request's snapshot (None: the base alone); a snapshot whose
+        checkpoint was deleted since the request was queued ends it clearly."""
+        if request.store_ref is None:
+            return None
+        try:
+            return self.slots.snapshot(request.store_ref, needed)
+        except ServiceError:
+            raise
+        except Exception as exc:
             raise ServiceError(
-                f"all {self.trainer.num_slots} slots are in use (lora.num_slots="
-                f"{self.trainer.num_slots}) by training models and the snapshots this batch "
-                "samples; unload a model or start the server with more lora.num_slots."
-            )
-        _, ref = min(evictable)
-        return self.evict(ref)
-
-    def evict(self, store_ref: str) -> int:
-        slot = self.slots.pop(store_ref)
-        self.last_use.pop(slot, None)
-        if slot in self.trainer.slots:
-            self.trainer.release_slot(slot)
-        log.info("sampler snapshot %s left slot %d", store_ref, slot)
-        return slot
+                f"{request.sampler}: its snapshot could not be loaded; it was deleted or damaged "
+                "since the request was queued."
+            ) from exc
 
     def release_unused(self) -> None:
         """Free the snapshot slots no live session samples (worker thread)."""
-        live = {
-            r["store_ref"]
-            for r in self.db.all(
-                "SELECT s.store_ref FROM samplers s JOIN sessions x ON x.id = s.session_id "
-                "WHERE x.finished IS NULL AND s.store_ref IS NOT NULL"
-            )
-        }
-        for ref in [ref for ref in self.slots if ref not in live]:
-            self.evict(ref)
+        self.slots.keep_snapshots(self.db.sampled_store_refs())

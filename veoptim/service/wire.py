@@ -26,12 +26,19 @@ class Datum:
 
 @dataclass
 class ForwardBackwardRequest:
+    """A decoded ``ForwardBackwardRequest``: its header at once, its datums on demand
+    (:meth:`data` refuses what this server cannot take, naming the datum), so that a
+    request with a bad datum is refused in its model's order and uses its ``seq_id``."""
+
     model_id: str
     seq_id: int
     loss_fn: str
     loss_fn_config: dict[str, float | str]
     forward_only: bool
-    data: list[Datum]
+    message: pb.ForwardBackwardRequest
+
+    def data(self) -> list[Datum]:
+        return [_datum(i, d) for i, d in enumerate(self.message.data)]
 
 
 def decompress(body: bytes, encoding: str, limit: int) -> bytes:
@@ -76,29 +83,31 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardRequest:
     config: dict[str, float | str] = dict(msg.loss_fn_config)
     for key, value in msg.loss_fn_config_v2.items():
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
-    data = []
-    for i, d in enumerate(msg.data):
-        tokens = []
-        for j, chunk in enumerate(d.model_input):
-            kind = chunk.WhichOneof("chunk")
-            if kind != "encoded_text":
-                raise ServiceError(
-                    f"data[{i}].model_input[{j}] is a {kind} chunk; only encoded_text (tokens) "
-                    "is supported."
-                )
-            raw = chunk.encoded_text.tokens
-            if len(raw) % 4:
-                raise ServiceError(f"data[{i}].model_input[{j}].tokens is not packed int32s.")
-            tokens.append(np.frombuffer(raw, dtype=np.int32))
-        joined = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
-        inputs = {
-            name: _array(t, f"data[{i}].loss_fn_inputs[{name!r}]")
-            for name, t in d.loss_fn_inputs.items()
-        }
-        data.append(Datum(joined, inputs))
     return ForwardBackwardRequest(
-        msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only), data
+        msg.model_id, int(msg.seq_id), msg.loss_fn, config, bool(msg.forward_only), msg
     )
+
+
+def _datum(i: int, d: pb.Datum) -> Datum:
+    """Datum ``i``: the tokens of its chunks, in order, and its loss inputs."""
+    tokens = []
+    for j, chunk in enumerate(d.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise ServiceError(
+                f"data[{i}].model_input[{j}] is a {kind} chunk; only encoded_text (tokens) is "
+                "supported."
+            )
+        raw = chunk.encoded_text.tokens
+        if len(raw) % 4:
+            raise ServiceError(f"data[{i}].model_input[{j}].tokens is not packed int32s.")
+        tokens.append(np.frombuffer(raw, dtype=np.int32))
+    joined = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
+    inputs = {
+        name: _array(t, f"data[{i}].loss_fn_inputs[{name!r}]")
+        for name, t in d.loss_fn_inputs.items()
+    }
+    return Datum(joined, inputs)
 
 
 def encode_forward_backward_output(

@@ -7,7 +7,7 @@ import pytest
 
 from tests.lora.slots.helpers import all_states, assert_unchanged, build, differences, train
 from veoptim.checkpoint.versions import published_names
-from veoptim.errors import SlotError, SlotStateInvalidError
+from veoptim.errors import CheckpointError, SlotError, SlotStateInvalidError
 
 
 @pytest.fixture
@@ -102,3 +102,37 @@ def test_a_load_failing_after_its_first_write_invalidates_only_that_slot(trainer
     train(trainer, 1, [0, 2], start=500)
     trainer.load_slot(1, "alice")  # a good load makes it usable again
     train(trainer, 1, [1], start=600)
+
+
+def test_delete_removes_every_save_and_export_of_a_name_manifest_first(trainer, monkeypatch):
+    import shutil
+
+    from veoptim.checkpoint import publish
+    from veoptim.checkpoint.versions import latest_complete
+
+    for _ in range(2):
+        trainer.save_slot(0, "gone")
+    trainer.save_slot(1, "kept")
+    export = trainer.export_slot(0, "gone")
+    assert export.is_dir() and latest_complete(trainer.store.root / "gone") == "save_000002"
+    # interrupted after the manifests went: no save of the name is complete any more
+    calls = []
+    real = shutil.rmtree
+
+    def fail_once(path, *args, **kwargs):
+        if not calls:
+            calls.append(path)
+            raise OSError("interrupted")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(publish.shutil, "rmtree", fail_once)
+    with pytest.raises(CheckpointError, match="deleting slot checkpoint .gone."):
+        trainer.delete_checkpoint("gone")
+    assert (trainer.store.root / "gone").is_dir() and calls
+    assert latest_complete(trainer.store.root / "gone") is None
+    monkeypatch.setattr(publish.shutil, "rmtree", real)
+    trainer.delete_checkpoint("gone")
+    assert not (trainer.store.root / "gone").exists() and not export.exists()
+    trainer.load_slot(3, "kept")  # another name is untouched
+    assert differences(trainer.slot_state(1), trainer.slot_state(3)) == []
+    trainer.delete_checkpoint("never-saved")  # nothing there: nothing to do

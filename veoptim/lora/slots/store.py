@@ -27,7 +27,7 @@ from veoptim.checkpoint.component import (
     check_info,
     read_json,
 )
-from veoptim.checkpoint.publish import FaultHook, Published
+from veoptim.checkpoint.publish import FaultHook, Published, remove_root
 from veoptim.checkpoint.versions import (
     is_within,
     latest_complete,
@@ -99,6 +99,23 @@ class SlotStore:
     def load(self, components: Mapping[str, StateComponent], path: Path, *, exact: bool) -> None:
         """Validate, read and apply ``path`` into ``components`` (the checkpointer's phases)."""
         self.checkpointer.load(components, path, exact=exact)
+
+    def delete(self, name: str) -> None:
+        """Delete slot checkpoint ``name``, every save of it: the manifests first, as
+        retention removes versions, so a reader never takes a half-deleted save for a
+        complete one (rank 0 removes; agreed)."""
+        root = self.root / validate_name(name)
+        on_rank0(lambda: remove_root(root), f"deleting slot checkpoint {name!r}", self.group)
+
+    def names(self) -> list[str]:
+        """Every slot checkpoint name in the store, published or not (rank 0 lists; agreed)."""
+
+        def listing() -> list[str]:
+            if not self.root.is_dir():
+                return []
+            return sorted(e.name for e in self.root.iterdir() if e.is_dir() and not e.is_symlink())
+
+        return on_rank0(listing, f"listing the slot checkpoints in {self.root}", self.group)
 
     def _next_sequence(self, root: Path) -> int:
         """1 + the highest save number published under ``root`` (rank 0 looks; agreed)."""

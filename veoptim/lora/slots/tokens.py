@@ -19,7 +19,7 @@ row through its own slot's adapter: what a sampler of the service runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,12 +49,15 @@ def forward_tokens(
     loss_fn: TokenLoss | None = None,
     *,
     backward: bool = False,
+    train_slots: Collection[int] | None = None,
 ) -> TokenPass:
     """Forward (and with ``backward`` a backward of the summed ``loss_fn``) over a batch of
     ``input_ids``, ``target_tokens`` (same shape), optional ``attention_mask`` and
     ``slot_ids``. With ``backward`` the gradient of the loss sum accumulates into each slot
     present, and that slot's next ``optim_step`` applies it unscaled (do not mix with
-    ``SlotTrainer.forward_backward``'s token mean before that step)."""
+    ``SlotTrainer.forward_backward``'s token mean before that step). ``train_slots``: only
+    these slots train; the rows of the others are a forward only (their losses are not
+    back-propagated, their slots' gradients stay exactly as they were)."""
     if backward and loss_fn is None:
         raise ValueError("a backward pass needs a loss_fn")
     with trainer._lock:
@@ -90,15 +93,41 @@ def forward_tokens(
                     else torch.zeros(len(slot_ids), device=device)
                 )
                 if backward:
-                    row_losses.sum().backward()
+                    _backward(trainer, row_losses, slot_ids.to(device), present, train_slots)
         finally:
             trainer.router.clear()
             if not backward:
                 trainer.plan.reshard(trainer.model)
         if backward:
             for s in present:
-                trainer.slots[s].optimizer.pending_tokens = 1.0
+                if train_slots is None or s in train_slots:
+                    trainer.slots[s].optimizer.pending_tokens = 1.0
         return TokenPass(logprobs.detach().cpu(), row_losses.detach().cpu())
+
+
+def _backward(trainer: SlotTrainer, row_losses: torch.Tensor, slot_ids: torch.Tensor,
+              present: list[int], train_slots: Collection[int] | None) -> None:  # fmt: skip
+    """Back-propagate the loss of the training rows; the gradients of the slots that only
+    run forward are set aside meanwhile and put back untouched."""
+    if train_slots is None:
+        row_losses.sum().backward()
+        return
+    trains = torch.tensor(
+        [int(s) in train_slots for s in slot_ids.tolist()], device=row_losses.device
+    )
+    kept = [
+        (p, p.grad)
+        for s in present
+        if s not in train_slots
+        for p in trainer.slots[s].params.parameters()
+    ]
+    for p, _ in kept:
+        p.grad = None
+    try:
+        row_losses[trains].sum().backward()
+    finally:
+        for p, grad in kept:
+            p.grad = grad
 
 
 def optim_step_clipped(

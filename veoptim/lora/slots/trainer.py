@@ -15,18 +15,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from veoptim.checkpoint.publish import collect_garbage, unpublish
+from veoptim.checkpoint.versions import validate_name
 from veoptim.config.launch import check_launch
 from veoptim.config.validate import validate_config
 from veoptim.data import IGNORE_INDEX, load_tokenizer, special_token_ids
 from veoptim.data.fields import ATTENTION_MASK, INPUT_IDS, LABELS, POSITION_IDS
 from veoptim.distributed import DistContext, build_parallel_plan, init_distributed
+from veoptim.distributed.agreement import on_rank0
 from veoptim.errors import (
     CheckpointError,
     ConfigError,
@@ -367,6 +370,32 @@ class SlotTrainer:
                     is_main=self.ctx.is_main,
                 ),  # fmt: skip
             )
+
+    def delete_checkpoint(self, name: str) -> None:
+        """Delete slot checkpoint ``name`` (every save of it) and its PEFT export, if any,
+        manifests first (collective: rank 0 removes)."""
+        with self._lock:
+            self.store.delete(name)
+            exports = self.exports_root / SLOT_EXPORTS
+            on_rank0(lambda: unpublish(exports, validate_name(name)),
+                     f"deleting the export {name!r}", self.store.group)  # fmt: skip
+
+    def prune_checkpoints(self, keep: Collection[str]) -> list[str]:
+        """Delete every slot checkpoint (and export) whose name is not in ``keep``: what a
+        caller that records its checkpoints elsewhere never recorded (a save killed before
+        it was published, or before the caller noted it). The names deleted."""
+        with self._lock:
+            gone = [name for name in self.store.names() if name not in keep]
+            for name in gone:
+                self.delete_checkpoint(name)
+            exports = self.exports_root / SLOT_EXPORTS
+
+            def clean_exports() -> None:
+                if exports.is_dir():
+                    collect_garbage(exports)
+
+            on_rank0(clean_exports, f"cleaning the exports in {exports}", self.store.group)
+            return gone
 
     def export_dir(self, name: str) -> Path:
         """Where :meth:`export_slot` publishes PEFT adapter directory ``name``."""
