@@ -75,7 +75,12 @@ class ModelConfig:
     num_experts: int = opt(0, "Experts per MoE layer (MoE architectures only).")
     num_experts_per_tok: int = opt(2, "Experts each token is routed to (MoE only).")
     moe_intermediate_size: int = opt(64, "Intermediate size of each expert (MoE only).")
-    dtype: str = opt("fp32", "Parameter dtype of the trained model: fp32 | bf16.")
+    dtype: str = opt(
+        "fp32",
+        "Parameter dtype of the trained model: fp32 | bf16 | fp16 (fp16: an exact optimizer's "
+        "FP32 masters and dynamic loss scaling, train.loss_scale_*; with "
+        "parallel.param_dtype=fp16).",
+    )
     tie_word_embeddings: bool = opt(False, "Share input embedding and LM head weights.")
     init_seed: int = opt(1234, "Seed of the weight initialisation (independent of train.seed).")
     attention_dropout: float = opt(
@@ -149,6 +154,15 @@ class TrainConfig:
     micro_batch_size: int = opt(4, "Sequences per forward/backward on one rank.")
     grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).")
     seed: int = opt(0, "Seed of data order and RNG states.")
+    loss_scale_init: float = opt(
+        65536.0,
+        "model.dtype=fp16: the first loss scale (a power of two >= 1); it halves on every "
+        "step whose gradients overflow (the step is skipped) and doubles after "
+        "train.loss_scale_growth_interval clean steps.",
+    )
+    loss_scale_growth_interval: int = opt(
+        2000, "model.dtype=fp16: clean steps in a row after which the loss scale doubles."
+    )
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """Optimizer steps of the whole run, once the training data's size is known."""
@@ -244,7 +258,9 @@ class ParallelConfig:
     dp_replicate: int = opt(1, "Replicated data-parallel degree (HSDP outer dim).")
     dp_shard: int = opt(-1, "FSDP2 sharding degree; -1 fills the rest of the world size.")
     ep: int = opt(1, "Expert-parallel degree (MoE); experts are split across ep ranks.")
-    param_dtype: str = opt("bf16", "FSDP2 MixedPrecisionPolicy compute dtype: bf16 | fp32.")
+    param_dtype: str = opt(
+        "bf16", "FSDP2 MixedPrecisionPolicy compute dtype: bf16 | fp32 | fp16 (model.dtype=fp16)."
+    )
     reduce_dtype: str = opt("fp32", "FSDP2 gradient reduce dtype: fp32 | bf16.")
     backend: str = opt("auto", "Process-group backend: auto | gloo | nccl | hccl.")
 
