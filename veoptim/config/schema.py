@@ -359,6 +359,9 @@ class TrainerConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    def check_task_keys(self) -> None:
+        """The task's own refusals of shared keys, checked before any other (none here)."""
+
     def build_objective(self, tokenizer: Any) -> Any:
         """The task's objective (``veoptim.trainer.objective.Objective``) for this config."""
         raise ConfigError(

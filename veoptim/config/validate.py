@@ -67,6 +67,7 @@ def _get(cfg: TrainerConfig, key: str):
 
 def validate_config(cfg: TrainerConfig) -> None:
     """Raise ``ConfigError`` for the first invalid value (optimizer names are checked by the builder)."""
+    cfg.check_task_keys()
     for key, choices in CHOICES.items():
         value = _get(cfg, key)
         if value not in choices:
