@@ -110,6 +110,12 @@ class DataConfig:
         "Tokenizer directory (AutoTokenizer); empty = model.path's tokenizer, or the bundled "
         "one for a model built from config.",
     )
+    chat_template: str = opt(
+        "",
+        "Chat template instead of the tokenizer's own: chatml | qwen2 | llama3 (its end-of-turn "
+        "token becomes the EOS and must be a token of the tokenizer), or a Jinja file path; "
+        "exports save it with the tokenizer (empty = the tokenizer's own).",
+    )
     max_seq_len: int = opt(
         96,
         "Sequences are truncated (or packed) to this many tokens (<= the model's "

@@ -79,8 +79,9 @@ def write_peft(source: CheckpointSource, out_dir: Path, options: Any) -> None:
         model, cfg, source.tokenizer, root, step=source.step, fsync=True, run=source.run
     )
     write_adapter_dir(
-        out_dir, peft_adapter_state(model), source.cfg, model, base_reference(source.cfg, root)
-    )
+        out_dir, peft_adapter_state(model), source.cfg, model, base_reference(source.cfg, root),
+        source.tokenizer,
+    )  # fmt: skip
 
 
 def write_merged(source: CheckpointSource, out_dir: Path, options: Any) -> None:

@@ -94,7 +94,9 @@ class SlotTrainer:
         check_launch(cfg.parallel, ctx.world_size)
         self.cfg, self.ctx, self._owns_ctx = cfg, ctx, owns_ctx
         torch.manual_seed(cfg.train.seed)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
+        self.tokenizer = load_tokenizer(
+            cfg.data.tokenizer_path, model_path=cfg.model.path, chat_template=cfg.data.chat_template
+        )
         check_model_fits(cfg.model, len(self.tokenizer), cfg.data.max_seq_len,
                          self.tokenizer.name_or_path)  # fmt: skip
         on_meta = ctx.world_size > 1 and not ctx.is_main
