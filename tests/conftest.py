@@ -46,6 +46,7 @@ SLOW_MODULES = (
     "config/test_dry_run.py",
     "config/test_startup_checks.py",
     "config/test_warmup_overrides.py",
+    "data/test_chat_template_runs.py",
     "data/test_hf_datasets.py",
     "data/test_hf_datasets_runs.py",
     "data/test_jsonl_layouts.py",
