@@ -81,6 +81,12 @@ class ModelConfig:
         "FP32 masters and dynamic loss scaling, train.loss_scale_*; with "
         "parallel.param_dtype=fp16).",
     )
+    quant: str = opt(
+        "none",
+        "Frozen base storage of a LoRA run: none | nf4 (QLoRA: the decoder's Linear weights in "
+        "4-bit NF4 via bitsandbytes, quantized at load; adapters, masters and moments stay "
+        "full precision; needs lora.enabled=true and the quant extra).",
+    )
     tie_word_embeddings: bool = opt(False, "Share input embedding and LM head weights.")
     init_seed: int = opt(1234, "Seed of the weight initialisation (independent of train.seed).")
     attention_dropout: float = opt(

@@ -14,6 +14,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "run.device": ("auto", "cpu", "cuda", "npu"),
     "model.dtype": tuple(DTYPE_NAMES),
     "model.arch": ("qwen2", "qwen2_moe", "qwen3_moe"),
+    "model.quant": ("none", "nf4"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "scheduler.name": ("constant", "linear", "cosine", "wsd"),
     "parallel.param_dtype": tuple(DTYPE_NAMES),
@@ -98,6 +99,11 @@ def validate_config(cfg: TrainerConfig) -> None:
         )
     _validate_model(cfg)
     _validate_fp16(cfg)
+    if cfg.model.quant != "none" and not cfg.lora.enabled:
+        raise ConfigError(
+            f"model.quant={cfg.model.quant} freezes the base in 4 bits, which only a LoRA run "
+            "trains around; set lora.enabled=true (or model.quant=none)."
+        )
     _validate_flash_attention(cfg)
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Checked here, on every rank, so no rank fails alone after the others started.

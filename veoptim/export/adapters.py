@@ -87,7 +87,7 @@ def needs_base_export(cfg: TrainerConfig, exports_root: Path, model: nn.Module) 
 
 def exported_base_fingerprint(cfg: TrainerConfig, model: nn.Module) -> dict[str, Any]:
     """What identifies a base built from config: its config and ``model.init_seed``."""
-    return base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
+    return base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed, cfg.model.quant)
 
 
 def publish_base(

@@ -176,7 +176,9 @@ class Trainer:
         lora_base = None
         if cfg.lora.enabled:  # the adapters are saved with what base they belong to
             lora_base = on_rank0(
-                lambda: base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed),
+                lambda: base_fingerprint(
+                    model.config, cfg.model.path, cfg.model.init_seed, cfg.model.quant
+                ),
                 "fingerprinting the base model",
             )  # rank 0 hashes the base's files once
         standard = standard_components(

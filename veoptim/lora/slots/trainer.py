@@ -109,7 +109,9 @@ class SlotTrainer:
         )
         self.model = self.plan.apply(model)
         self.model.train()
-        self.fingerprint = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
+        self.fingerprint = base_fingerprint(
+            model.config, cfg.model.path, cfg.model.init_seed, cfg.model.quant
+        )
         self.layout = self.plan.layout_metadata().to_json()
         self.run_dir = Path(cfg.run.dir)
         self.store = SlotStore(
