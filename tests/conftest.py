@@ -67,6 +67,7 @@ SLOW_MODULES = (
     "lora/test_lora_multirank_export.py",
     "lora/test_lora_training.py",
     "lora/test_multi_lora_task.py",
+    "lora/test_qlora_exports.py",
     "lora/test_qlora_multirank.py",
     "models/test_activation_checkpointing.py",
     "models/test_grouped_experts.py",
