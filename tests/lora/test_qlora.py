@@ -133,5 +133,7 @@ def test_moe_experts_are_refused_in_one_line(tmp_path):
 
 
 def test_a_4bit_base_without_lora_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="model.quant=nf4 freezes the base in 4 bits, which only"):
+    with pytest.raises(
+        ConfigError, match="model.quant=nf4 freezes the base in 4 bits, which only a LoRA run"
+    ):
         build_trainer(tmp_path / "run", ["model.quant=nf4"])

@@ -99,10 +99,10 @@ def validate_config(cfg: TrainerConfig) -> None:
         )
     _validate_model(cfg)
     _validate_fp16(cfg)
-    if cfg.model.quant != "none" and not cfg.lora.enabled:
+    if cfg.model.quant != "none" and not (cfg.lora.enabled or cfg.lora.num_slots):
         raise ConfigError(
             f"model.quant={cfg.model.quant} freezes the base in 4 bits, which only a LoRA run "
-            "trains around; set lora.enabled=true (or model.quant=none)."
+            "(or multi-LoRA slots) trains around; set lora.enabled=true (or model.quant=none)."
         )
     _validate_flash_attention(cfg)
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
