@@ -36,6 +36,10 @@ QUANT_CHOICES = (QUANT_NONE, NF4)
 BLOCK_SIZE = 64
 #: Modules never quantized: the output projection (its logits set the loss).
 SKIPPED = ("lm_head",)
+#: Weights quantized per call (a multiple of BLOCK_SIZE): bitsandbytes' CPU quantizer holds
+#: about 20 bytes of temporaries per weight, so a large layer is quantized in slices of
+#: this many weights (blocks are independent: the codes are those of one call).
+QUANTIZE_CHUNK = 1 << 18
 
 
 def _bnb_functional():
@@ -123,12 +127,17 @@ class NF4Linear(nn.Module):
                 f"an NF4 layer of shape {tuple(self.shape)} was given a weight of shape "
                 f"{tuple(weight.shape)}."
             )
-        source = weight.detach().to(device=self.nf4_codes.device, dtype=self.compute_dtype)
-        codes, state = _bnb_functional().quantize_4bit(
-            source.contiguous(), blocksize=BLOCK_SIZE, compress_statistics=False, quant_type=NF4
-        )
-        self.nf4_codes.copy_(codes.view(-1))
-        self.nf4_absmax.copy_(state.absmax)
+        flat = weight.detach().reshape(-1)
+        bnb = _bnb_functional()
+        for start in range(0, flat.numel(), QUANTIZE_CHUNK):
+            part = flat[start : start + QUANTIZE_CHUNK]
+            source = part.to(device=self.nf4_codes.device, dtype=self.compute_dtype).contiguous()
+            codes, state = bnb.quantize_4bit(
+                source, blocksize=BLOCK_SIZE, compress_statistics=False, quant_type=NF4
+            )
+            self.nf4_codes[start // 2 : (start + part.numel()) // 2].copy_(codes.view(-1))
+            blocks = slice(start // BLOCK_SIZE, (start + part.numel()) // BLOCK_SIZE)
+            self.nf4_absmax[blocks].copy_(state.absmax)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the forward uses it: NF4 codes times their block scale, in
