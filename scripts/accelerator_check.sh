@@ -19,10 +19,10 @@
 # then: the script appends the repository root to PYTHONPATH (veoptim, tasks, callbacks
 # and configs/ are found from there), so that interpreter needs only the project's
 # imports of these steps: torch, transformers, tokenizers, safetensors, hydra-core,
-# omegaconf, numpy, pytest, psutil. On a machine without a network, carry what it lacks
+# omegaconf, numpy, pytest, psutil, bitsandbytes (the QLoRA tests). On a machine without a network, carry what it lacks
 # as wheels, install them with `pip install --target DIR` and put DIR first in PYTHONPATH.
-# Without PY, the script uses .venv/bin/python, creating .venv (`pip install -e .[dev]`,
-# as `make setup`) when it is absent.
+# Without PY, the script uses .venv/bin/python, creating .venv (`pip install -e .[dev,quant]`,
+# as `make setup`, with the quant extra) when it is absent.
 #
 # With no C compiler the CPU AdamW kernel falls back to the eager engine (same results);
 # the compiled CUDA kernel (torch.compile: Triton needs a C compiler and Python's headers)
@@ -46,8 +46,8 @@ if [ -n "${PY:-}" ]; then
 else
   PY=.venv/bin/python
   if [ ! -x "$PY" ]; then
-    echo "accelerator_check: creating .venv (pip install -e .[dev])"
-    ${PYTHON:-python3} -m venv .venv && "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]" ||
+    echo "accelerator_check: creating .venv (pip install -e .[dev,quant])"
+    ${PYTHON:-python3} -m venv .venv && "$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev,quant]" ||
       { echo "accelerator_check: FAILED to create .venv" >&2; exit 2; }
   fi
 fi
@@ -158,7 +158,7 @@ def compiler() -> str | None:
 
 
 PACKAGES = ("transformers", "tokenizers", "safetensors", "huggingface-hub", "peft",
-            "hydra-core", "omegaconf", "numpy", "triton", "pytest")
+            "hydra-core", "omegaconf", "numpy", "triton", "pytest", "bitsandbytes")
 report = {
     "check": "accelerator_check",
     "mode": "cpu-smoke" if smoke else "cuda",

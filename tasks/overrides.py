@@ -47,7 +47,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from veoptim.config.keys import check_known_keys, suggest_key
+from veoptim.config.keys import check_known_keys, other_tools_hint, suggest_key
 from veoptim.config.reference import config_keys
 from veoptim.errors import ConfigError
 from veoptim.rundir.lock import run_dir_problem
@@ -312,6 +312,13 @@ def check_command_line(task: str, schema: type, argv: list[str], prog: str) -> C
     the schema lacks, YAML syntax); the values' meaning is validated when the job starts
     (``veoptim.config.to_config``), and in full, without training, by ``run.dry_run=true``.
     """
+    for arg in argv:  # another tool's flag: Hydra would print its usage and exit 2 unexplained
+        habit = other_tools_hint(arg) if arg.startswith("--") else None
+        if habit:
+            return (
+                f"{arg} is not an option of {prog}: settings are key=value overrides; "
+                f"did you mean {habit}? ({prog} --help lists every key)"
+            )
     args = _parse(argv)
     if args is None or any(getattr(args, flag, None) for flag in _NOTHING_RUNS):
         return Checked()

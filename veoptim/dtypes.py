@@ -17,7 +17,12 @@ if TYPE_CHECKING:
     import torch
 
 #: Config dtype name -> the name of its torch dtype (``torch.float32``, ...).
-DTYPE_NAMES: Mapping[str, str] = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPE_NAMES: Mapping[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: Where FP16 has no place: Adam moments (``exp_avg_sq`` under- and overflows FP16's range)
+#: and gradient reductions (loss-scaled gradients overflow it); these keys take only these.
+WIDE_RANGE_DTYPE_NAMES: tuple[str, ...] = ("fp32", "bf16")
+#: The dtype whose compute needs a loss scaler (``veoptim/optim/loss_scale.py``).
+LOSS_SCALED_DTYPE = "fp16"
 
 
 def torch_dtypes() -> dict[str, torch.dtype]:

@@ -41,3 +41,7 @@ class SlotError(VeoptimError, RuntimeError):
 class SlotStateInvalidError(SlotError):
     """Loading a slot failed after its live state was written: reset, release or load it
     again before training it (other slots are unaffected)."""
+
+
+class DivergedError(VeoptimError, RuntimeError):
+    """Training cannot go on: an fp16 step overflowed even at the smallest loss scale."""

@@ -6,7 +6,9 @@ followed by a NEW process with ``checkpoint.resume=auto`` to N+K. Both final
 checkpoints are read back into full tensors and must be bitwise equal: parameters,
 FP32 masters, moments, step counters, LR scheduler and param groups, progress, sampler
 position and RNG; the metrics.jsonl curves (loss, LR, grad norm, tokens) too. The
-same comparison catches a weights-only resume and BF16-rounded masters. The runs are
+same comparison catches a weights-only resume and BF16-rounded masters. An fp16 run
+(2 ranks, FP16 compute under FSDP2) skips overflowed steps before and after the resume, and
+its loss scaler's state is compared too. The runs are
 batched into six spawns (``helpers/resume_campaign.py``), shared with ``test_reshard``.
 """
 
@@ -51,6 +53,10 @@ def test_fresh_process_resume_is_bitwise_equal_to_straight_run(base, name):
     curve = ckpt_io.metrics(v.run_dir("straight"))
     assert [r["step"] for r in curve] == list(range(1, TOTAL + 1))
     assert ckpt_io.metrics(v.run_dir("sliced")) == curve  # data order, loss, LR, grad norm
+    if v.dtype == "fp16":  # the loss scaler skipped steps on both sides of the resume
+        skipped = [r["skipped_steps"] for r in curve]
+        assert skipped[N - 1] > 0 and skipped[-1] > skipped[N - 1], skipped
+        assert straight.trainer_state["loss_scale"] == resumed.trainer_state["loss_scale"]
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

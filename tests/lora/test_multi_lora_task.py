@@ -83,3 +83,23 @@ def test_demo_writes_metrics_per_slot_and_the_resolved_config(demo) -> None:
     assert config["run"]["dir"] == str(run_dir)
     assert config["train"]["max_steps"] == 12 and config["lora"]["num_slots"] == 4
     assert config["data"]["tasks"] == list(tasks.values())
+
+
+def test_the_demo_trains_its_slots_on_a_4bit_base(tmp_path: Path) -> None:
+    """``model.quant=nf4``: every slot on one NF4 base; the continuation check is bitwise."""
+    run_dir = tmp_path / "run"
+    proc = run_multi_lora_cli(
+        [f"run.dir={run_dir}", "run.device=cpu", "train.max_steps=8", "train.micro_batch_size=4",
+         "scheduler.warmup_steps=2", "optim.lr=1e-2", "logging.log_every=4", "model.quant=nf4",
+         "model.dtype=bf16", "optim=master_fp32_adamw"],
+        tmp_path,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "exact continuation: OK" in out, out[-4000:]
+    losses = {int(s): (float(first), float(last)) for s, first, last in SUMMARY.findall(out)}
+    assert sorted(losses) == [0, 1, 2] and all(f > last for f, last in losses.values()), out
+    base = json.loads(
+        (run_dir / "exports" / "slots" / EXPORTS[0] / "veoptim_base.json").read_text()
+    )
+    assert base["quant"] == "nf4"

@@ -104,3 +104,21 @@ def test_help_promises_one_line_and_exit_2():
     text = " ".join(render_help("sft", SFTConfig, "veoptim-sft", "sft").split())
     assert "one line naming the key and the closest known key" in text
     assert "exit status 2; under torchrun every rank prints that line" in text
+
+
+#: Another tool's key or flag, and what the one line names (veoptim's setting for it).
+HABITS = {
+    ("load_in_4bit=true",): ["unknown config key load_in_4bit", "did you mean model.quant=nf4"],
+    ("--quantization", "nf4"): ["--quantization is not an option", "did you mean model.quant=nf4"],
+    ("--load-in-4bit",): ["--load-in-4bit is not an option", "did you mean model.quant=nf4"],
+    ("--fp16",): ["--fp16 is not an option", "did you mean model.dtype=fp16"],
+    ("+fp16=true",): ["unknown config key fp16", "did you mean model.dtype=fp16"],
+    ("data.template=chatml",): ["unknown config key data.template", "data.chat_template="],
+}
+
+
+@pytest.mark.parametrize("habit", list(HABITS), ids=" ".join)
+def test_another_tools_habit_is_one_line_naming_veoptims_key_exit_2(habit, tmp_path):
+    proc = run_sft_cli([*habit, f"run.dir={tmp_path / 'run'}"], tmp_path, fresh=True)
+    _one_error_line(proc, HABITS[habit])
+    assert not (tmp_path / "run").exists()

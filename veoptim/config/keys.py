@@ -20,6 +20,33 @@ from veoptim.errors import ConfigError
 
 _INDEX = re.compile(r"\[\d+\]")
 
+_FP16 = "model.dtype=fp16 parallel.param_dtype=fp16 with optim=master_fp32_adamw (fp16 training)"
+_NF4 = "model.quant=nf4 with lora.enabled=true (a 4-bit NF4 base: QLoRA)"
+_TEMPLATE = "data.chat_template=<chatml|qwen2|llama3|file.jinja>"
+#: What other tools' users type (transformers, PEFT, TRL, LLaMA-Factory, axolotl, vLLM flags),
+#: by name with dashes as underscores, and veoptim's setting that does it.
+OTHER_TOOLS: dict[str, str] = {
+    "load_in_4bit": _NF4,
+    "bnb_4bit_quant_type": _NF4,
+    "quantization": _NF4,
+    "quantization_bit": _NF4,
+    "quantize": _NF4,
+    "qlora": _NF4,
+    "load_in_8bit": "model.quant=nf4 with lora.enabled=true (veoptim stores a frozen base in "
+    "4-bit NF4 only)",
+    "fp16": _FP16,
+    "half": _FP16,
+    "bf16": "model.dtype=bf16",
+    "template": _TEMPLATE,
+    "prompt_template": _TEMPLATE,
+}
+
+
+def other_tools_hint(name: str) -> str | None:
+    """veoptim's setting for another tool's key or flag ``name`` (``--load-in-4bit``,
+    ``load_in_4bit``), or None."""
+    return OTHER_TOOLS.get(name.lstrip("-+~").split("=", 1)[0].rpartition(".")[2].replace("-", "_"))
+
 
 def _child(node: DictConfig | ListConfig, key: str | int) -> object:
     """The child node, unresolved (interpolations and ``???`` are not evaluated)."""
@@ -66,6 +93,9 @@ def _suggestion(key: str, known: list[str], every_key: list[str]) -> str:
     """' (did you mean optim.lr?)' for the closest known key, or the keys at that level."""
     parent, _, leaf = _INDEX.sub("", key).rpartition(".")
     prefix = f"{parent}." if parent else ""
+    habit = other_tools_hint(leaf)
+    if habit and leaf not in known:
+        return f"did you mean {habit}?"
     named = [k for k in known if leaf in k.split("_") and k != leaf]  # data.path: *_path
     if named:
         names = [prefix + k for k in named]

@@ -75,7 +75,18 @@ class ModelConfig:
     num_experts: int = opt(0, "Experts per MoE layer (MoE architectures only).")
     num_experts_per_tok: int = opt(2, "Experts each token is routed to (MoE only).")
     moe_intermediate_size: int = opt(64, "Intermediate size of each expert (MoE only).")
-    dtype: str = opt("fp32", "Parameter dtype of the trained model: fp32 | bf16.")
+    dtype: str = opt(
+        "fp32",
+        "Parameter dtype of the trained model: fp32 | bf16 | fp16 (fp16: an exact optimizer's "
+        "FP32 masters and dynamic loss scaling, train.loss_scale_*; with "
+        "parallel.param_dtype=fp16).",
+    )
+    quant: str = opt(
+        "none",
+        "Frozen base storage of a LoRA run: none | nf4 (QLoRA: the decoder's Linear weights in "
+        "4-bit NF4 via bitsandbytes, quantized at load; adapters, masters and moments stay "
+        "full precision; needs lora.enabled=true and the quant extra).",
+    )
     tie_word_embeddings: bool = opt(False, "Share input embedding and LM head weights.")
     init_seed: int = opt(1234, "Seed of the weight initialisation (independent of train.seed).")
     attention_dropout: float = opt(
@@ -104,6 +115,12 @@ class DataConfig:
         "",
         "Tokenizer directory (AutoTokenizer); empty = model.path's tokenizer, or the bundled "
         "one for a model built from config.",
+    )
+    chat_template: str = opt(
+        "",
+        "Chat template instead of the tokenizer's own: chatml | qwen2 | llama3 (its end-of-turn "
+        "token becomes the EOS and must be a token of the tokenizer), or a Jinja file path; "
+        "exports save it with the tokenizer (empty = the tokenizer's own).",
     )
     max_seq_len: int = opt(
         96,
@@ -149,6 +166,15 @@ class TrainConfig:
     micro_batch_size: int = opt(4, "Sequences per forward/backward on one rank.")
     grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).")
     seed: int = opt(0, "Seed of data order and RNG states.")
+    loss_scale_init: float = opt(
+        65536.0,
+        "model.dtype=fp16: the first loss scale (a power of two >= 1); it halves on every "
+        "step whose gradients overflow (the step is skipped) and doubles after "
+        "train.loss_scale_growth_interval clean steps.",
+    )
+    loss_scale_growth_interval: int = opt(
+        2000, "model.dtype=fp16: clean steps in a row after which the loss scale doubles."
+    )
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """Optimizer steps of the whole run, once the training data's size is known."""
@@ -245,7 +271,9 @@ class ParallelConfig:
     dp_replicate: int = opt(1, "Replicated data-parallel degree (HSDP outer dim).")
     dp_shard: int = opt(-1, "FSDP2 sharding degree; -1 fills the rest of the world size.")
     ep: int = opt(1, "Expert-parallel degree (MoE); experts are split across ep ranks.")
-    param_dtype: str = opt("bf16", "FSDP2 MixedPrecisionPolicy compute dtype: bf16 | fp32.")
+    param_dtype: str = opt(
+        "bf16", "FSDP2 MixedPrecisionPolicy compute dtype: bf16 | fp32 | fp16 (model.dtype=fp16)."
+    )
     reduce_dtype: str = opt("fp32", "FSDP2 gradient reduce dtype: fp32 | bf16.")
     backend: str = opt("auto", "Process-group backend: auto | gloo | nccl | hccl.")
 
@@ -343,6 +371,9 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def check_task_keys(self) -> None:
+        """The task's own refusals of shared keys, checked before any other (none here)."""
 
     def build_objective(self, tokenizer: Any) -> Any:
         """The task's objective (``veoptim.trainer.objective.Objective``) for this config."""

@@ -5,18 +5,20 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from veoptim.arith import is_power_of_two
 from veoptim.config.schema import DEFAULT_MAX_STEPS, TrainerConfig
-from veoptim.dtypes import DTYPE_NAMES
+from veoptim.dtypes import DTYPE_NAMES, LOSS_SCALED_DTYPE, WIDE_RANGE_DTYPE_NAMES
 from veoptim.errors import ConfigError
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "run.device": ("auto", "cpu", "cuda", "npu"),
     "model.dtype": tuple(DTYPE_NAMES),
     "model.arch": ("qwen2", "qwen2_moe", "qwen3_moe"),
+    "model.quant": ("none", "nf4"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
     "scheduler.name": ("constant", "linear", "cosine", "wsd"),
     "parallel.param_dtype": tuple(DTYPE_NAMES),
-    "parallel.reduce_dtype": tuple(DTYPE_NAMES),
+    "parallel.reduce_dtype": WIDE_RANGE_DTYPE_NAMES,
     "parallel.backend": ("auto", "gloo", "nccl", "hccl"),
     "export.dtype": (*DTYPE_NAMES, "preserve"),
     "logging.wandb.mode": ("disabled", "offline", "online"),
@@ -36,6 +38,7 @@ POSITIVE: tuple[str, ...] = (
     "logging.log_every",
     "optim.chunk_size",
     "checkpoint.write_threads",
+    "train.loss_scale_growth_interval",
 )
 
 NON_NEGATIVE: tuple[str, ...] = (
@@ -76,6 +79,7 @@ def _get(cfg: TrainerConfig, key: str):
 
 def validate_config(cfg: TrainerConfig) -> None:
     """Raise ``ConfigError`` for the first invalid value (optimizer names are checked by the builder)."""
+    cfg.check_task_keys()
     for key, choices in CHOICES.items():
         value = _get(cfg, key)
         if value not in choices:
@@ -106,6 +110,12 @@ def validate_config(cfg: TrainerConfig) -> None:
             f"model.attention_dropout must be in [0, 1), got {cfg.model.attention_dropout}."
         )
     _validate_model(cfg)
+    _validate_fp16(cfg)
+    if cfg.model.quant != "none" and not (cfg.lora.enabled or cfg.lora.num_slots):
+        raise ConfigError(
+            f"model.quant={cfg.model.quant} freezes the base in 4 bits, which only a LoRA run "
+            "(or multi-LoRA slots) trains around; set lora.enabled=true (or model.quant=none)."
+        )
     _validate_flash_attention(cfg)
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         # Checked here, on every rank, so no rank fails alone after the others started.
@@ -169,6 +179,40 @@ def _validate_model(cfg: TrainerConfig) -> None:
             f"model.max_position_embeddings ({model.max_position_embeddings}), the longest "
             "position the model supports; lower data.max_seq_len or raise "
             "model.max_position_embeddings."
+        )
+
+
+#: The optimizers without FP32 masters (an fp16 run needs them).
+NO_MASTER_OPTIMIZERS = ("adamw",)
+
+
+def _validate_fp16(cfg: TrainerConfig) -> None:
+    """fp16 compute is one setting of three keys: the model's dtype, FSDP2's compute dtype
+    (so one and several ranks compute alike) and an optimizer with FP32 masters, which the
+    loss scaler unscales into."""
+    fp16, model, parallel = LOSS_SCALED_DTYPE, cfg.model.dtype, cfg.parallel.param_dtype
+    if parallel == fp16 and model != fp16:
+        raise ConfigError(
+            f"parallel.param_dtype={fp16} computes in fp16, which is loss-scaled only for "
+            f"model.dtype={fp16}, but model.dtype={model}; set model.dtype={fp16} or "
+            "parallel.param_dtype=bf16."
+        )
+    if model != fp16:
+        return
+    if parallel == "bf16":
+        raise ConfigError(
+            f"model.dtype={fp16} trains in fp16, but parallel.param_dtype=bf16 would compute in "
+            f"bf16 under FSDP2; set parallel.param_dtype={fp16} too."
+        )
+    if cfg.optim.name in NO_MASTER_OPTIMIZERS:
+        raise ConfigError(
+            f"model.dtype={fp16} keeps FP32 master weights, which optim={cfg.optim.name} has "
+            "not; use optim=master_fp32_adamw, full_fp32_adamw or cpu_offload_adamw."
+        )
+    if not (is_power_of_two(cfg.train.loss_scale_init) and cfg.train.loss_scale_init >= 1):
+        raise ConfigError(
+            "train.loss_scale_init must be a power of two >= 1 (scaling by it is exact), got "
+            f"{cfg.train.loss_scale_init!r}."
         )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from veoptim.data.chat_templates import apply_choice, check_choice
 from veoptim.data.paths import bundled_tokenizer_dir
 from veoptim.errors import DataError
 
@@ -54,13 +55,17 @@ def tokenizer_source(tokenizer_path: str, model_path: str = "") -> tuple[str, st
     return "", "data.tokenizer_path"
 
 
-def load_tokenizer(path: str = "", model_path: str = "") -> PreTrainedTokenizerFast:
+def load_tokenizer(
+    path: str = "", model_path: str = "", chat_template: str = ""
+) -> PreTrainedTokenizerFast:
     """Load the tokenizer at ``path`` (else at ``model_path``, else the bundled one) with
-    ``AutoTokenizer``, local files only.
+    ``AutoTokenizer``, local files only; ``chat_template`` (``data.chat_template``: a
+    template name or a Jinja file) replaces its chat template.
 
     SFT needs a fast tokenizer (character offsets locate the assistant turns) and
     a chat template. A tokenizer without a pad token pads with its EOS token.
     """
+    check_choice(chat_template)  # an unknown name fails before any file is read
     path, key = tokenizer_source(path, model_path)
     directory = Path(path) if path else bundled_tokenizer_dir()
     if not directory.is_dir():
@@ -87,6 +92,7 @@ def load_tokenizer(path: str = "", model_path: str = "") -> PreTrainedTokenizerF
             f"tokenizer at {directory} is a slow {type(tokenizer).__name__}; "
             f"expected a fast tokenizer ({TOKENIZER_FILE})."
         )
+    apply_choice(tokenizer, chat_template, str(directory))
     if not tokenizer.chat_template:
         raise DataError(
             f"tokenizer at {directory} has no chat template; SFT renders examples with it."

@@ -28,15 +28,22 @@ def group_by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
+def _group_norm(group: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of one mesh group; FP16 gradients are normed in FP32 (their squares, and a
+    loss-scaled norm itself, overflow FP16 while every element is finite)."""
+    if any(g.dtype == torch.float16 for g in group):
+        norms = torch._foreach_norm(group, norm_type, dtype=torch.float32)
+        return torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
+    return torch.nn.utils.get_total_norm(group, norm_type, error_if_nonfinite=False, foreach=None)
+
+
 def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all ``grads`` together, as a plain FP32 scalar identical on every rank."""
     if not grads:
         return torch.tensor(0.0)
     norms = []
     for group in group_by_mesh(grads):
-        norm = torch.nn.utils.get_total_norm(
-            group, norm_type, error_if_nonfinite=False, foreach=None
-        )
+        norm = _group_norm(group, norm_type)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         norms.append(norm.float())

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard
 from veoptim.config.schema import ParallelConfig
 from veoptim.distributed.context import DistContext
 from veoptim.distributed.expert_parallel import TokenDispatcher
-from veoptim.distributed.grad_norm import clip_grad_norm_
+from veoptim.distributed.grad_norm import clip_grad_norm_, total_grad_norm
 from veoptim.distributed.layout import MESH_DIM_NAMES, LayoutMetadata, contiguous_expert_placement
 from veoptim.distributed.mesh import ParallelMeshes, build_meshes
 from veoptim.distributed.sizes import ParallelSizes, resolve_parallel_sizes
@@ -221,6 +221,10 @@ class ParallelPlan:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global gradient norm over every mesh, in FP32, without clipping."""
+        return total_grad_norm([p.grad for p in model.parameters() if p.grad is not None])
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm over every mesh; returns the norm before clipping."""

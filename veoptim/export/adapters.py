@@ -87,7 +87,7 @@ def needs_base_export(cfg: TrainerConfig, exports_root: Path, model: nn.Module) 
 
 def exported_base_fingerprint(cfg: TrainerConfig, model: nn.Module) -> dict[str, Any]:
     """What identifies a base built from config: its config and ``model.init_seed``."""
-    return base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
+    return base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed, cfg.model.quant)
 
 
 def publish_base(
@@ -114,16 +114,21 @@ def write_adapter_dir(
     cfg: TrainerConfig,
     model: nn.Module,
     base: BaseReference,
+    tokenizer: Any = None,
 ) -> None:
     """The PEFT adapter directory of ``model``'s adapters (rank 0), with the base's
     fingerprint (``veoptim_base.json``) so a later load can tell whether the base that
-    ``base_model_name_or_path`` names is still the one the adapters were trained on."""
+    ``base_model_name_or_path`` names is still the one the adapters were trained on. A run
+    with its own ``data.chat_template`` saves ``tokenizer`` there too: the base's tokenizer
+    has another template (``veoptim-generate`` prefers the adapter's tokenizer)."""
     config = adapter_config(cfg.lora, model, base.name_or_path)
     if base.revision:
         config["revision"] = base.revision
     write_peft_adapter(out, adapter, config)
     fingerprint = exported_base_fingerprint(cfg, model)
     (out / BASE_FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=1) + "\n")
+    if tokenizer is not None and cfg.data.chat_template:
+        tokenizer.save_pretrained(out)
     make_readable(out)
 
 
@@ -160,5 +165,5 @@ def publish_adapter(
     with Publisher(root, fsync=fsync, run=run).write(name, kind=KIND_HF_EXPORT, step=step,
                                                      prunable=False) as out:  # fmt: skip
         if is_main:
-            write_adapter_dir(out, adapter, cfg, model, base)
+            write_adapter_dir(out, adapter, cfg, model, base, tokenizer)
     return root / name

@@ -53,7 +53,7 @@ def lora_model(source: CheckpointSource, allow_other_base: bool = False) -> nn.M
     saved = read_json(C.shared_json_path(source.version, MODEL))
     if not isinstance(saved, dict) or not isinstance(saved.get(BASE), dict):
         raise CheckpointError(f"{source.version} records no base model for its adapters.")
-    live = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
+    live = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed, cfg.model.quant)
     lead = f"the adapters in {source.version} were trained on another base model"
     if fingerprint_differences(saved[BASE], live):
         if not allow_other_base:
@@ -79,8 +79,9 @@ def write_peft(source: CheckpointSource, out_dir: Path, options: Any) -> None:
         model, cfg, source.tokenizer, root, step=source.step, fsync=True, run=source.run
     )
     write_adapter_dir(
-        out_dir, peft_adapter_state(model), source.cfg, model, base_reference(source.cfg, root)
-    )
+        out_dir, peft_adapter_state(model), source.cfg, model, base_reference(source.cfg, root),
+        source.tokenizer,
+    )  # fmt: skip
 
 
 def write_merged(source: CheckpointSource, out_dir: Path, options: Any) -> None:

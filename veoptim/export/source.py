@@ -126,7 +126,9 @@ def open_checkpoint(checkpoint: str | Path) -> CheckpointSource:
     info = check_info(read_json(version / C.INFO_FILE), version)
     check_components(info[C.INFO_COMPONENTS], (MODEL, CONFIG), version, exact=False)
     cfg = _saved_config(version)
-    tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
+    tokenizer = load_tokenizer(
+        cfg.data.tokenizer_path, model_path=cfg.model.path, chat_template=cfg.data.chat_template
+    )
     special = special_token_ids(tokenizer)
     model = build_model(cfg.model, len(tokenizer), special, on_meta=True)
     dcp_dir = version / C.DCP_DIR

@@ -14,6 +14,10 @@ from veoptim.errors import ConfigError
 from veoptim.lora.experts import EXPERT_PARAMS, LoRAExperts
 from veoptim.lora.layer import DEFAULT_ADAPTER, AdapterSpec, LoRALinear
 from veoptim.models.experts import is_fused_experts
+from veoptim.models.quant import NF4Linear
+
+#: What an adapter can wrap: a Linear layer, or one whose weight is 4-bit (model.quant=nf4).
+LINEAR_TYPES = (nn.Linear, NF4Linear)
 
 
 def adapter_spec(cfg: LoRAConfig) -> AdapterSpec:
@@ -56,7 +60,7 @@ def target_names(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     names = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
+        if isinstance(module, LINEAR_TYPES)
         and not isinstance(module, LoRALinear)
         and is_target(name, cfg)
     ]
@@ -67,7 +71,7 @@ def target_names(model: nn.Module, cfg: LoRAConfig) -> list[str]:
             else (f"lora.target_modules={list(cfg.target_modules)}")
         )
         linear = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, LINEAR_TYPES)}
         )
         raise ConfigError(
             f"{what} selects no Linear layer of the model; its Linear layers are named {linear}."

@@ -47,9 +47,10 @@ class RowRouter(Protocol):
 
 
 class LoRALinear(nn.Module):
-    """``base_layer`` (frozen) plus the adapters in ``lora_A`` / ``lora_B``."""
+    """``base_layer`` (frozen: an ``nn.Linear``, or an ``NF4Linear`` of a 4-bit base) plus
+    the adapters in ``lora_A`` / ``lora_B``."""
 
-    def __init__(self, base_layer: nn.Linear) -> None:
+    def __init__(self, base_layer: nn.Module) -> None:
         super().__init__()
         self.base_layer = base_layer
         self.lora_A = nn.ModuleDict()
@@ -69,10 +70,17 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base_layer.out_features
 
+    def base_dtype_device(self) -> tuple[torch.dtype, torch.device]:
+        """The dtype the base computes in and its device (what its adapters get)."""
+        base = self.base_layer
+        if isinstance(base, nn.Linear):
+            return base.weight.dtype, base.weight.device
+        return base.compute_dtype, base.nf4_codes.device  # a 4-bit base (models/quant.py)
+
     def add_adapter(self, name: str, spec: AdapterSpec) -> None:
         """A new adapter in the base weight's dtype and device, initialised like PEFT's."""
-        weight = self.base_layer.weight
-        make = {"dtype": weight.dtype, "device": weight.device, "bias": False}
+        dtype, device = self.base_dtype_device()
+        make = {"dtype": dtype, "device": device, "bias": False}
         self.lora_A[name] = nn.Linear(self.in_features, spec.r, **make)
         self.lora_B[name] = nn.Linear(spec.r, self.out_features, **make)
         self.lora_dropout[name] = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()

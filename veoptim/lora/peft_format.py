@@ -29,8 +29,10 @@ from veoptim.lora.state import (
     base_fingerprint,
     base_mismatch,
     fingerprint_differences,
+    quantization,
     refuse_other_base,
 )
+from veoptim.models.quant import NF4Linear
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -114,12 +116,18 @@ def write_peft_adapter(
 
 
 def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The frozen base's state dict under its original names (no adapters), full tensors."""
-    return {
+    """The frozen base's state dict under its original names (no adapters), full tensors;
+    a 4-bit base's Linear weights dequantized into the dtype it computes in (the weights
+    its training forward used)."""
+    state = {
         key.replace(BASE_LAYER, ""): full_cpu(value)
         for key, value in model.state_dict().items()
         if ".lora_A." not in key and ".lora_B." not in key
     }
+    for fqn, module in model.named_modules():
+        if isinstance(module, NF4Linear):
+            state[f"{fqn}.weight".replace(BASE_LAYER, "")] = module.dequantized().cpu()
+    return state
 
 
 def merged_state(model: nn.Module, name: str = DEFAULT_ADAPTER) -> dict[str, torch.Tensor]:
@@ -191,7 +199,13 @@ def check_adapter_base(
         found = base_fingerprint(model_config, str(base), 0)
     lead = f"the base model at {base} is not the one the adapter {adapter_dir} was trained on"
     found = found if isinstance(found, dict) else {"path": str(base)}
-    if fingerprint_differences(saved, found):
+    if quantization(saved) != quantization(found):  # QLoRA adapters serve on their full base
+        log.info(
+            "the adapter %s trained on the %s-quantized weights of %s; applying it to the "
+            "weights as stored there (%s)", adapter_dir, quantization(saved), base,
+            quantization(found),
+        )  # fmt: skip
+    if fingerprint_differences(saved, found, with_quant=False):
         if not allow_other:
             raise refuse_other_base(lead, saved, found, ALLOW_FLAG)
         log.warning("%s; going on as %s asks", base_mismatch(lead, saved, found), ALLOW_FLAG)

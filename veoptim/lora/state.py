@@ -38,6 +38,9 @@ ADAPTERS_ONLY = StateDictOptions(ignore_frozen_params=True)
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "architectures", "dtype")
 #: Fingerprint keys that describe the base for people and are never compared.
 DESCRIPTIVE_KEYS = ("path",)
+#: How the base's weights were stored while the adapters trained (``model.quant``); absent
+#: (every fingerprint before 4-bit bases, and every full-precision one): "none".
+QUANT, NO_QUANT = "quant", "none"
 #: The config key and the command-line flag that accept a base with another fingerprint.
 ALLOW_KEY, ALLOW_FLAG = "lora.allow_other_base=true", "--allow-other-base"
 log = logging.getLogger(__name__)
@@ -66,9 +69,13 @@ def _weight_index(path: Path) -> str:
     return digest.hexdigest()
 
 
-def base_fingerprint(model_config: Any, model_path: str, init_seed: int) -> dict[str, Any]:
+def base_fingerprint(
+    model_config: Any, model_path: str, init_seed: int, quant: str = NO_QUANT
+) -> dict[str, Any]:
     """What identifies the frozen base (JSON): its config, and its weights' index and
-    content hash, or its init seed; plus its path (descriptive, never compared)."""
+    content hash, or its init seed; its quantization (``model.quant``, recorded when not
+    "none"): the same weights in 4 bits are another base to the adapters; plus its path
+    (descriptive, never compared)."""
     config = {k: v for k, v in model_config.to_dict().items() if k not in VOLATILE_CONFIG_KEYS}
     if model_path:
         path = Path(model_path)
@@ -79,36 +86,57 @@ def base_fingerprint(model_config: Any, model_path: str, init_seed: int) -> dict
         }
     else:
         source = {"init_seed": init_seed}
-    return {"model_type": config.get("model_type"), "config": _digest(config), **source}
+    quantized = {QUANT: quant} if quant != NO_QUANT else {}
+    return {"model_type": config.get("model_type"), "config": _digest(config), **source,
+            **quantized}  # fmt: skip
 
 
-def fingerprint_differences(saved: dict[str, Any] | None, live: dict[str, Any] | None) -> list[str]:
+def quantization(fingerprint: dict[str, Any] | None) -> str:
+    """How the fingerprinted base was stored ("none" when not recorded)."""
+    return (fingerprint or {}).get(QUANT, NO_QUANT)
+
+
+def fingerprint_differences(
+    saved: dict[str, Any] | None, live: dict[str, Any] | None, *, with_quant: bool = True
+) -> list[str]:
     """The keys on which two base fingerprints differ. A key the saved fingerprint lacks
-    (``content``, recorded only since content hashes exist) is not compared."""
+    (``content``, recorded only since content hashes exist) is not compared; the
+    quantization always is (absent: "none"), unless ``with_quant`` is False."""
     saved, live = saved or {}, live or {}
-    keys = (set(saved) if saved else set(live)) - set(DESCRIPTIVE_KEYS)
-    return sorted(k for k in keys if saved.get(k) != live.get(k))
+    keys = (set(saved) if saved else set(live)) - set(DESCRIPTIVE_KEYS) - {QUANT}
+    differs = [k for k in keys if saved.get(k) != live.get(k)]
+    if with_quant and quantization(saved) != quantization(live):
+        differs.append(QUANT)
+    return sorted(differs)
 
 
-def describe_base(fingerprint: dict[str, Any] | None) -> str:
-    """A base as a person recognises it: its path and content hash, or its init seed."""
+def describe_base(fingerprint: dict[str, Any] | None, show_quant: bool = False) -> str:
+    """A base as a person recognises it: its path and content hash, or its init seed (and
+    how it was stored, when recorded or ``show_quant``)."""
     fp = fingerprint or {}
+    show_quant = show_quant or QUANT in fp
     if "init_seed" in fp:
+        stored = f", stored {quantization(fp)}" if show_quant else ""
         return (
-            f"the {fp.get('model_type')} model built from config with init_seed {fp['init_seed']}"
+            f"the {fp.get('model_type')} model built from config with init_seed "
+            f"{fp['init_seed']}{stored}"
         )
     where = fp.get("path", "a model directory")
     content = fp.get("content")
-    return f"{where} (content {content[:12]})" if content else f"{where} (content not recorded)"
+    stored = f", stored {quantization(fp)}" if show_quant else ""
+    if content:
+        return f"{where} (content {content[:12]}{stored})"
+    return f"{where} (content not recorded{stored})"
 
 
 def base_mismatch(lead: str, saved: dict[str, Any] | None, live: dict[str, Any]) -> str:
     """``lead`` (e.g. "the adapters in X were trained on another base model"), what differs,
     and both bases by name."""
     differs = fingerprint_differences(saved, live)
+    quant = QUANT in differs
     return (
         f"{lead} ({', '.join(differs)} differ{'s' if len(differs) == 1 else ''}): trained on "
-        f"{describe_base(saved)}, found {describe_base(live)}"
+        f"{describe_base(saved, quant)}, found {describe_base(live, quant)}"
     )
 
 

@@ -7,6 +7,7 @@ process of a resumed run builds bitwise the same initial model.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -28,7 +29,10 @@ from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError
 from veoptim.models.activation_checkpointing import enable_activation_checkpointing
 from veoptim.models.attention import check_attn_implementation
-from veoptim.models.sharded_load import parameters_on_meta
+from veoptim.models.quant import NF4, load_quantized, quantize_model
+from veoptim.models.sharded_load import SafetensorsShards, parameters_on_meta
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -143,13 +147,48 @@ def build_model(
     construction (rotary tables) on the CPU: every rank then loads its own shards
     (``veoptim.models.sharded_load``) and no rank broadcasts.
     Both sources get ``cfg.attn_implementation`` and, with ``cfg.activation_checkpointing``,
-    per decoder layer activation checkpointing (no parameter name changes).
+    per decoder layer activation checkpointing (no parameter name changes). With
+    ``cfg.quant=nf4`` the decoder's Linear layers are 4-bit (``veoptim.models.quant``): a
+    ``model.path`` in safetensors is quantized as it is read, tensor by tensor.
     """
     dtype = resolve_dtype(cfg.dtype, "model.dtype")
     check_attn_implementation(cfg.attn_implementation)
-    model = _build(cfg, dtype, vocab_size, special_tokens or {}, on_meta, buffers)
+    model = None
+    if cfg.quant == NF4 and cfg.path and not on_meta:
+        model = _load_quantized(cfg, dtype)
+    if model is None:
+        model = _build(cfg, dtype, vocab_size, special_tokens or {}, on_meta, buffers)
+        if cfg.quant == NF4:
+            quantize_model(model, dtype)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
+    return model
+
+
+def _load_quantized(cfg: ModelConfig, dtype: torch.dtype) -> PreTrainedModel | None:
+    """``model.path`` with its Linear layers quantized as they are read: the structure on
+    meta, every other tensor read into it, each quantized weight read and quantized in
+    turn. None (the caller loads it whole, then quantizes) where its safetensors files do
+    not name every tensor."""
+    shards = SafetensorsShards.open(cfg.path)
+    with parameters_on_meta():
+        config = AutoConfig.from_pretrained(Path(cfg.path))
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=cfg.attn_implementation
+        )
+    if shards is None or shards.missing(model):
+        log.info("model.path %s: quantizing after a full load (its weights are not all in "
+                 "safetensors under their own names)", cfg.path)  # fmt: skip
+        return None
+    computed = {name: b.clone() for name, b in model.named_buffers()}  # rotary tables
+    quantize_model(model, dtype)  # meta NF4 layers of the right shapes
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in computed:
+                buffer.copy_(computed[name])
+    shards.load_into(model)  # every tensor but the quantized weights
+    load_quantized(model, shards.read)
     return model
 
 

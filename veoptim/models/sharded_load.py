@@ -135,6 +135,12 @@ class SafetensorsShards:
             return cls(path, dict.fromkeys(SafetensorsFile(single).entries, single))
         return None
 
+    def read(self, key: str) -> torch.Tensor:
+        """The whole tensor stored under ``key``, in its stored dtype."""
+        file = self.header(key)
+        with open(self.files[key], "rb") as handle:
+            return file.read(handle, key, tuple(slice(0, n) for n in file.shape(key)))
+
     def missing(self, model: nn.Module) -> list[str]:
         """Keys of ``model``'s state dict the files cannot fill: stored under no name (a
         tied weight is stored once, under either of its names) and not per expert."""

@@ -12,13 +12,14 @@ that differs from the expectation is an error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from veoptim.dtypes import torch_dtypes
+from veoptim.dtypes import WIDE_RANGE_DTYPE_NAMES, torch_dtypes
 from veoptim.errors import CheckpointError, ConfigError
 from veoptim.optim.dtensor_util import local
 
@@ -77,14 +78,21 @@ def check_positive_int(name: str, value: Any) -> None:
         raise ConfigError(f"optimizer option {name!r} must be a positive int, got {value!r}.")
 
 
+def check_positive_finite(name: str, value: Any) -> None:
+    """A number in (0, inf): a divisor of every gradient."""
+    if not 0.0 < check_number(name, value) < math.inf:
+        raise ConfigError(f"optimizer option {name!r} must be positive and finite, got {value!r}.")
+
+
 def check_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"optimizer option {name!r} must be an int, got {value!r}.")
 
 
 def check_moment_dtype(name: str, value: Any) -> None:
-    """Moment dtypes come from the config dtype table (veoptim/dtypes.py)."""
-    allowed = list(torch_dtypes().values())
+    """Moment dtypes come from the config dtype table (veoptim/dtypes.py), FP16 left out:
+    ``exp_avg_sq`` leaves its range."""
+    allowed = [torch_dtypes()[n] for n in WIDE_RANGE_DTYPE_NAMES]
     if not isinstance(value, torch.dtype) or value not in allowed:
         raise ConfigError(
             f"optimizer option {name!r} must be one of {[str(d) for d in allowed]}, got {value!r}."

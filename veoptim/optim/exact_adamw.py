@@ -36,6 +36,7 @@ from veoptim.optim.checks import (
     check_hyper,
     check_int,
     check_moment_dtype,
+    check_positive_finite,
     check_positive_int,
 )
 from veoptim.optim.dtensor_util import global_flat_offset, local, wrap_like
@@ -249,7 +250,11 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
     # ------------------------------------------------------------------ step
     @torch.compiler.disable
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Any = None, *, grad_divisor: float = 1.0) -> Any:
+        """One update of every parameter with a gradient; ``grad_divisor`` divides every
+        gradient in FP32 first (fp16 loss scaling: the scale over the clip coefficient), so
+        a loss-scaled FP16 gradient is unscaled only once it is wide."""
+        check_positive_finite("grad_divisor", grad_divisor)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -263,11 +268,11 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
             return loss
         edited: list[str] = []
         for group in self.param_groups:
-            self._step_group(group, edited)
+            self._step_group(group, edited, float(grad_divisor))
         log_rederived(type(self).__name__, edited)
         return loss
 
-    def _step_group(self, group: dict[str, Any], edited: list[str]) -> None:
+    def _step_group(self, group: dict[str, Any], edited: list[str], divisor: float) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
@@ -292,8 +297,9 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
                 batch.sr_offsets.append(global_flat_offset(p))
         beta1, beta2 = group["betas"]
         hp = Hyper(
-            float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], group["maximize"]
-        )
+            float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], group["maximize"],
+            grad_divisor=divisor,
+        )  # fmt: skip
         sr = self.stochastic_rounding
         if offloaded:
             device = local(params[0]).device
@@ -301,11 +307,13 @@ class ExactAdamW(EditFollowingMixin, ValidatedOptimizerMixin, Optimizer):
             if staging is None:
                 staging = self._staging[device] = StagingBuffer(self.chunk_size, device)
             host = kernels.select_host(self.kernel, batch, stochastic_rounding=sr,
-                                       scratch=self._host_scratch, chunk=self.fused_chunk_size)  # fmt: skip
+                                       scratch=self._host_scratch, chunk=self.fused_chunk_size,
+                                       scaled=hp.scaled)  # fmt: skip
             offload_update_(batch, hp, staging, host)
         else:
             kernel = kernels.select(self.kernel, batch, stochastic_rounding=sr,
-                                    scratch=self._scratch, chunk=self.fused_chunk_size)  # fmt: skip
+                                    scratch=self._scratch, chunk=self.fused_chunk_size,
+                                    scaled=hp.scaled)  # fmt: skip
             kernel.update_(batch, hp)
         for p in params:
             self._marks[p] = mark_of(p)

@@ -21,9 +21,12 @@ PROGRESS = "progress"
 RNG = "rng"
 CONFIG = "config"
 RUN_IDS = "run_ids"
+#: fp16 runs only: the dynamic loss scaler (``veoptim/optim/loss_scale.py``).
+LOSS_SCALE = "loss_scale"
 
 __all__ = [
     "CONFIG",
+    "LOSS_SCALE",
     "LR_SCHEDULER",
     "MODEL",
     "OPTIMIZER",

@@ -18,6 +18,7 @@ from veoptim.checkpoint.component import StateComponent
 from veoptim.lora.state import LoRAModelState
 from veoptim.state import (
     CONFIG,
+    LOSS_SCALE,
     LR_SCHEDULER,
     MODEL,
     OPTIMIZER,
@@ -50,18 +51,19 @@ def standard_components(
     defaults: dict[str, Any],
     lora_base: dict[str, Any] | None = None,
     allow_other_base: bool = False,
+    loss_scaler: Any = None,
 ) -> dict[str, StateComponent]:
     """Model (the adapters alone, with ``lora_base`` their base's fingerprint, for a LoRA
     run; ``allow_other_base``: a resume may load them on another base), optimizer (with the
     parallel ``layout`` its shards follow), LR scheduler, sampler,
     progress, RNG, the run ``config`` (keys a checkpoint predates compared with
-    ``defaults``) and the run ids."""
+    ``defaults``), the run ids, and an fp16 run's ``loss_scaler``."""
     weights = (
         ModelState(model)
         if lora_base is None
         else LoRAModelState(model, lora_base, allow_other_base)
     )
-    return {
+    components: dict[str, StateComponent] = {
         MODEL: weights,
         OPTIMIZER: OptimizerState(model, optimizer, layout),
         # An LR scheduler holds its optimizer: checked by structure, not by a trial load.
@@ -72,6 +74,9 @@ def standard_components(
         CONFIG: RunConfigState(config, defaults=defaults),
         RUN_IDS: JSONState(run_ids),
     }
+    if loss_scaler is not None:
+        components[LOSS_SCALE] = JSONState(loss_scaler)
+    return components
 
 
 def weights_only(

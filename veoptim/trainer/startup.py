@@ -46,7 +46,9 @@ def check_single_adapter(cfg: TrainerConfig, world_size: int) -> None:
 def load_inputs(cfg: TrainerConfig) -> RunInputs:
     """Tokenizer (checked against the model's size and the sequence length), the task's
     objective, the eval hold-out and the eval set."""
-    tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
+    tokenizer = load_tokenizer(
+        cfg.data.tokenizer_path, model_path=cfg.model.path, chat_template=cfg.data.chat_template
+    )
     check_model_fits(cfg.model, len(tokenizer), cfg.data.max_seq_len, tokenizer.name_or_path)
     objective = cfg.build_objective(tokenizer)
     holdout = split_holdout(objective.num_examples, cfg.data.eval_fraction)

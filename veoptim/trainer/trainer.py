@@ -29,6 +29,7 @@ from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, special_token_ids
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan
 from veoptim.distributed.agreement import on_rank0
+from veoptim.dtypes import LOSS_SCALED_DTYPE
 from veoptim.errors import (
     CheckpointError,
     ConfigError,
@@ -38,11 +39,13 @@ from veoptim.errors import (
 )
 from veoptim.lora.state import base_fingerprint
 from veoptim.optim import build_optimizer, build_scheduler
+from veoptim.optim.loss_scale import DynamicLossScaler
 from veoptim.rundir import RunIdentity, locked_run_dir, read_identity, write_identity
 from veoptim.state.standard import standard_components, weights_only
 from veoptim.trainer.callback import Callback, CallbackList, Metrics
 from veoptim.trainer.evaluation import EvalSet, evaluate
 from veoptim.trainer.lineage import auto_run, start_run
+from veoptim.trainer.loss_scaling import scaled_update
 from veoptim.trainer.model_setup import unsharded_model
 from veoptim.trainer.objective import MicroBatch, Objective
 from veoptim.trainer.preemption import PreemptionGuard, preempted_message
@@ -77,6 +80,15 @@ def build_checkpointer(cfg: TrainerConfig, run_dir: Path, ctx: DistContext) -> C
     )
 
 
+def build_loss_scaler(cfg: TrainerConfig) -> DynamicLossScaler | None:
+    """The dynamic loss scaler of an fp16 run (None: bf16 and fp32 need none)."""
+    if cfg.model.dtype != LOSS_SCALED_DTYPE:
+        return None
+    return DynamicLossScaler(
+        scale=cfg.train.loss_scale_init, growth_interval=cfg.train.loss_scale_growth_interval
+    )
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and device) RNGs; checkpoints save and restore them."""
     random.seed(seed)
@@ -106,6 +118,8 @@ class Trainer:
     #: What evaluation runs over (None: no data.eval_path or data.eval_fraction).
     eval_set: EvalSet | None = None
     state: dict[str, StateComponent] = field(default_factory=dict)
+    #: fp16 runs: the dynamic loss scaler (None: the loss is not scaled).
+    loss_scaler: DynamicLossScaler | None = None
     #: The checkpoint version this run resumed from (None: a fresh start).
     resumed_from: Path | None = None
     #: The run this process trains under (set by :meth:`resume`; ``run.json`` records it).
@@ -159,11 +173,14 @@ class Trainer:
             run_dir=run_dir,
             checkpointer=build_checkpointer(cfg, run_dir, ctx),
             eval_set=inputs.eval_set,
+            loss_scaler=build_loss_scaler(cfg),
         )
         lora_base = None
         if cfg.lora.enabled:  # the adapters are saved with what base they belong to
             lora_base = on_rank0(
-                lambda: base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed),
+                lambda: base_fingerprint(
+                    model.config, cfg.model.path, cfg.model.init_seed, cfg.model.quant
+                ),
                 "fingerprinting the base model",
             )  # rank 0 hashes the base's files once
         standard = standard_components(
@@ -180,6 +197,7 @@ class Trainer:
             defaults=asdict(type(cfg)()),
             lora_base=lora_base,
             allow_other_base=cfg.lora.allow_other_base,
+            loss_scaler=trainer.loss_scaler,
         )
         for name, component in standard.items():
             trainer.register_state(name, component)
@@ -405,19 +423,28 @@ class Trainer:
             )
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         metric_sums: dict[str, torch.Tensor] = {}
+        scaler = self.loss_scaler
         for batch in micro_batches:
             inputs = {k: v.to(self.ctx.device) for k, v in batch.inputs.items()}
             out = self.objective.loss(self.model, inputs)
             loss = out.total / global_normaliser
-            loss.backward()
+            (loss if scaler is None else loss * scaler.scale).backward()
             loss_sum += loss.detach()
             for name, value in out.metrics.items():
                 metric_sums[name] = metric_sums.get(name, 0.0) + value.detach().float()
-        # max_norm=inf computes the norm for logging without clipping.
-        grad_norm = self.plan.clip_grad_norm_(self.model, self.cfg.train.grad_clip or float("inf"))
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        max_norm = self.cfg.train.grad_clip or float("inf")
+        scaled = None
+        if scaler is None:
+            # max_norm=inf computes the norm for logging without clipping.
+            grad_norm = self.plan.clip_grad_norm_(self.model, max_norm)
+            self.optimizer.step()
+        else:  # skipped on an overflow: nothing the optimizer owns changes
+            step = self.progress.global_step + 1
+            scaled = scaled_update(self.plan, self.model, self.optimizer, scaler, max_norm, step)
+            grad_norm = scaled.grad_norm
+        if scaled is None or not scaled.skipped:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # The step's last all-reduce also agrees on a stop signal any rank received.
         signalled = float(self._preemption.requested) if self._preemption else 0.0
@@ -438,6 +465,9 @@ class Trainer:
             "tokens_seen": self.progress.tokens_seen,
             "step_time_s": elapsed,
         }
+        if scaled is not None:
+            metrics["loss_scale"] = scaled.scale
+            metrics["skipped_steps"] = scaler.skipped_steps
         if metric_sums:
             reduced = self.plan.all_reduce_sum(torch.stack(list(metric_sums.values())))
             for name, value in zip(

@@ -30,6 +30,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 #: metrics.jsonl fields that must be equal between a straight and a resumed run.
 METRIC_FIELDS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_seen")
+#: What an fp16 run's records add (its loss scaler's).
+FP16_METRIC_FIELDS = ("loss_scale", "skipped_steps")
 #: Components whose JSON legitimately differs between slices of one run (run dir, stop step).
 NOT_COMPARED = (CONFIG,)
 
@@ -94,8 +96,11 @@ def master_keys(snapshot: Snapshot) -> list[str]:
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The metrics.jsonl records of a run dir, reduced to the fields that must match."""
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    return [{k: json.loads(line)[k] for k in METRIC_FIELDS} for line in lines]
+    records = [
+        json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    fields = METRIC_FIELDS + tuple(k for k in FP16_METRIC_FIELDS if records and k in records[0])
+    return [{k: record[k] for k in fields} for record in records]
 
 
 def write_bf16_rounded_masters(src: Path, root: Path, name: str) -> int:

@@ -35,7 +35,8 @@ MOE_NO_EP = {1: ("model=tiny_moe", "parallel=single"), 2: ("model=tiny_moe", "pa
 #: optimizer's state and the rank's shards are checked independently). full_fp32_adamw on
 #: 4 and 2 dense ranks and 4 MoE ranks are the resharding sources (the negative controls
 #: run on 2 dense and 4 MoE ranks); then plain AdamW on one process, FP32 masters of BF16
-#: params on 2 dense ranks and under expert parallelism, host offload on 4 dense ranks.
+#: params on 2 dense ranks and under expert parallelism, host offload on 4 dense ranks, and
+#: fp16 with its loss scaler on 2 dense ranks (:data:`FP16_OVERRIDES`).
 VARIANTS = (
     (4, "dense", "full_fp32_adamw", "bf16"),
     (2, "dense", "full_fp32_adamw", "bf16"),
@@ -44,6 +45,15 @@ VARIANTS = (
     (2, "dense", "master_fp32_adamw", "bf16"),
     (4, "moe", "master_fp32_adamw", "bf16"),
     (4, "dense", "cpu_offload_adamw", "fp32"),
+    (2, "dense", "master_fp32_adamw", "fp16"),
+)
+#: fp16 computes in fp16 under FSDP2 too; growing after every clean step from 2**17, the
+#: tiny model's FP16 gradients overflow every other step (1, 3, 5: before and after the
+#: resume at N), so the skips and the scaler's checkpointed state are part of the run.
+FP16_OVERRIDES = (
+    "parallel.param_dtype=fp16",
+    "train.loss_scale_init=131072",
+    "train.loss_scale_growth_interval=1",
 )
 NEGATIVE_OPTIMIZER = ("full_fp32_adamw", "bf16")
 WORLDS = (4, 2, 1)
@@ -69,8 +79,9 @@ class Variant:
 
     def overrides(self, *, plan: tuple[str, str] | None = None) -> list[str]:
         model_plan = plan or (MOE_4 if self.kind == "moe" else DENSE[self.world])
+        fp16 = FP16_OVERRIDES if self.dtype == "fp16" else ()
         return [*model_plan, f"optim={self.optim}", f"model.dtype={self.dtype}",
-                f"train.max_steps={TOTAL}"]  # fmt: skip
+                f"train.max_steps={TOTAL}", *fp16]  # fmt: skip
 
     def run_dir(self, what: str) -> Path:
         return self.dir / what

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from veoptim.config.schema import DataConfig, TrainerConfig, opt
+from veoptim.dtypes import LOSS_SCALED_DTYPE
 from veoptim.errors import ConfigError
 
 
@@ -41,15 +42,25 @@ class MultiLoRAConfig(TrainerConfig):
             "single-model Trainer."
         )
 
+    def check_task_keys(self) -> None:
+        self.check_slot_keys()
+
     def check_slot_keys(self) -> None:
         """Refuse the shared keys a slot trainer has no use for, instead of ignoring them:
-        slots are stepped by their callers, not over a dataset's epochs or eval split."""
+        slots are stepped by their callers, not over a dataset's epochs or eval split; and
+        fp16, whose loss scaler is the single-model trainer's."""
         unused = {
             "train.epochs": self.train.epochs,
             "train.eval_every": self.train.eval_every,
             "data.eval_path": self.data.eval_path,
             "data.eval_fraction": self.data.eval_fraction,
         }
+        if LOSS_SCALED_DTYPE in (self.model.dtype, self.parallel.param_dtype):
+            raise ConfigError(
+                f"multi-LoRA slots (tasks.multi_lora, veoptim-serve) do not train in fp16 (each "
+                f"slot would need a loss scaler of its own), but model.dtype={self.model.dtype} "
+                f"and parallel.param_dtype={self.parallel.param_dtype}; use bf16 or fp32."
+            )
         set_keys = [f"{k}={v!r}" for k, v in unused.items() if v]
         if set_keys:
             raise ConfigError(

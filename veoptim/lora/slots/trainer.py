@@ -97,7 +97,9 @@ class SlotTrainer:
         check_launch(cfg.parallel, ctx.world_size)
         self.cfg, self.ctx, self._owns_ctx = cfg, ctx, owns_ctx
         torch.manual_seed(cfg.train.seed)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer_path, model_path=cfg.model.path)
+        self.tokenizer = load_tokenizer(
+            cfg.data.tokenizer_path, model_path=cfg.model.path, chat_template=cfg.data.chat_template
+        )
         check_model_fits(cfg.model, len(self.tokenizer), cfg.data.max_seq_len,
                          self.tokenizer.name_or_path)  # fmt: skip
         on_meta = ctx.world_size > 1 and not ctx.is_main
@@ -110,7 +112,9 @@ class SlotTrainer:
         )
         self.model = self.plan.apply(model)
         self.model.train()
-        self.fingerprint = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed)
+        self.fingerprint = base_fingerprint(
+            model.config, cfg.model.path, cfg.model.init_seed, cfg.model.quant
+        )
         self.layout = self.plan.layout_metadata().to_json()
         self.run_dir = Path(cfg.run.dir)
         self.store = SlotStore(

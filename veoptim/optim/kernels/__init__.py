@@ -12,7 +12,9 @@ batch types of ``eager.py``:
   the eager one; a resumed run uses the same kernel, so resume stays bitwise).
 
 ``kernel=`` of the exact optimizers: ``auto`` (native on CPU where it builds and there is
-something to convert, compiled on cuda/npu, else eager), ``eager``, ``compiled``. Offloaded
+something to convert, compiled on cuda/npu, else eager), ``eager``, ``compiled``. A step
+whose gradients are divided first (``Hyper.grad_divisor``: fp16 loss scaling) always runs
+on the eager engine, whose fused kernel divides each gradient in FP32. Offloaded
 groups stage device gradients to the host chunk by chunk (``optim/offload.py``); their host
 update is :func:`select_host`'s, chunk by chunk. A new kernel is one module with an ``update_`` and its
 line in :func:`select`.
@@ -76,10 +78,19 @@ class CompiledKernel:
 
 
 def select(
-    kernel: str, batch: UpdateBatch, *, stochastic_rounding: bool, scratch: Scratch, chunk: int
+    kernel: str,
+    batch: UpdateBatch,
+    *,
+    stochastic_rounding: bool,
+    scratch: Scratch,
+    chunk: int,
+    scaled: bool = False,
 ) -> Kernel:
-    """The kernel that updates ``batch``, whose tensors are all on one device."""
+    """The kernel that updates ``batch``, whose tensors are all on one device (``scaled``:
+    the gradients are divided first, which only the eager engine does)."""
     sr = stochastic_rounding
+    if scaled:
+        return EagerKernel(scratch, chunk, sr)
     native = native_for(kernel, batch, sr)
     if native is not None:
         return native
@@ -91,13 +102,19 @@ def select(
 
 
 def select_host(
-    kernel: str, batch: UpdateBatch, *, stochastic_rounding: bool, scratch: Scratch, chunk: int
+    kernel: str,
+    batch: UpdateBatch,
+    *,
+    stochastic_rounding: bool,
+    scratch: Scratch,
+    chunk: int,
+    scaled: bool = False,
 ) -> Kernel:
     """The host kernel of an offloaded batch (host masters and moments, gradients staged
     from the device): the one-pass native kernel where it runs, else the eager one on the
     host's ``scratch``; ``optim/offload.py`` feeds it the staged chunks."""
     sr = stochastic_rounding
-    native = native_for(kernel, batch, sr, offloaded=True)
+    native = None if scaled else native_for(kernel, batch, sr, offloaded=True)
     return native if native is not None else EagerKernel(scratch, chunk, sr)
 
 

@@ -44,6 +44,13 @@ class Hyper:
     eps: float
     weight_decay: float
     maximize: bool
+    #: Every gradient is divided by this in FP32 before the update (fp16 loss scaling
+    #: folded with the clip coefficient; 1: the gradients as they are).
+    grad_divisor: float = 1.0
+
+    @property
+    def scaled(self) -> bool:
+        return self.grad_divisor != 1.0
 
     def kernel_kwargs(self) -> dict:
         return dict(
@@ -170,6 +177,10 @@ def adamw_update_(batch: UpdateBatch, hp: Hyper, scratch: Scratch, chunk: int, s
     if not batch.masters:
         return
     kwargs = hp.kernel_kwargs()
+    if hp.scaled:  # the fused kernel divides each (widened) gradient in FP32
+        kwargs["grad_scale"] = torch.tensor(
+            hp.grad_divisor, dtype=torch.float32, device=batch.masters[0].device
+        )
     narrow = any(g.dtype != torch.float32 for g in batch.grads) or any(
         m.dtype != torch.float32 for m in batch.exp_avgs + batch.exp_avg_sqs
     )

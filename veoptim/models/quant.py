@@ -1,0 +1,213 @@
+"""A frozen base in 4-bit NF4 (``model.quant=nf4``): QLoRA's memory lever.
+
+Every ``nn.Linear`` of the decoder (not the LM head, not the embeddings) becomes an
+:class:`NF4Linear`: its weight stored as bitsandbytes' NF4 codes (two per byte) with one
+FP32 scale per block of :data:`BLOCK_SIZE` weights, 4.5 bits per weight, dequantized into
+the model's dtype by bitsandbytes' native kernel (CPU or CUDA) in every forward and again
+in the backward (nothing of the full weight is kept between them). Adapters, their FP32
+masters and moments stay full precision: only frozen weights are quantized.
+
+The codes and scales are non-persistent buffers, not parameters: no optimizer, state dict
+or adapter checkpoint sees them, and FSDP2 does not shard them (each rank holds the whole
+4-bit base: a quarter of the BF16 one); the parallel plan broadcasts them from rank 0 like
+every buffer. A base loaded from ``model.path`` is quantized tensor by tensor as it is
+read (:func:`load_quantized`): the full-precision model never exists in memory at once.
+
+Quantization runs on the host, once, when the model is loaded, and is deterministic: a
+resumed run and an offline export quantize the same weights to the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from veoptim.errors import ConfigError
+from veoptim.models.experts import find_fused_experts
+
+QUANT_NONE = "none"
+NF4 = "nf4"
+QUANT_CHOICES = (QUANT_NONE, NF4)
+#: Weights per FP32 absmax scale (bitsandbytes' and torchao's NF4 default).
+BLOCK_SIZE = 64
+#: Modules never quantized: the output projection (its logits set the loss).
+SKIPPED = ("lm_head",)
+#: Weights quantized per call (a multiple of BLOCK_SIZE): bitsandbytes' CPU quantizer holds
+#: about 20 bytes of temporaries per weight, so a large layer is quantized in slices of
+#: this many weights (blocks are independent: the codes are those of one call).
+QUANTIZE_CHUNK = 1 << 18
+
+
+def _bnb_functional():
+    """bitsandbytes' quantize/dequantize functions, imported on first use (an optional
+    dependency: ``pip install -e '.[quant]'``). Its CPU backend logs a warning that a Hub
+    kernel (the ``kernels`` package) is missing; veoptim never fetches code at run time,
+    and the built-in kernels are used, so that one logger is quietened during the import."""
+    quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes.functional as bnb_functional
+    except ImportError as error:
+        raise ConfigError(
+            "model.quant=nf4 needs the bitsandbytes package, which is not installed; install "
+            "it with pip install -e '.[quant]' (or set model.quant=none)."
+        ) from error
+    finally:
+        quiet.setLevel(level)
+    return bnb_functional
+
+
+def _quant_state(codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Size, dtype: torch.dtype):
+    bnb = _bnb_functional()
+    table = bnb.get_4bit_type("nf4", device=codes.device)
+    return bnb.QuantState(
+        absmax=absmax, shape=shape, code=table, blocksize=BLOCK_SIZE, quant_type=NF4, dtype=dtype
+    )
+
+
+class _NF4Matmul(torch.autograd.Function):
+    """``x @ dequant(W).T``; the backward dequantizes again (no weight kept), and gives
+    the input's gradient only: the base is frozen."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: NF4Linear) -> torch.Tensor:  # type: ignore[override]
+        ctx.layer = layer
+        return F.linear(x, layer.dequantized())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad @ ctx.layer.dequantized(), None
+
+
+class NF4Linear(nn.Module):
+    """A frozen Linear layer whose weight is 4-bit NF4 codes and per-block FP32 scales."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        bias: nn.Parameter | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, dtype
+        numel = in_features * out_features
+        if numel % BLOCK_SIZE:
+            raise ConfigError(
+                f"model.quant=nf4 quantizes blocks of {BLOCK_SIZE} weights, but a Linear layer "
+                f"of {out_features}x{in_features} weights does not divide into them."
+            )
+        self.register_buffer(
+            "nf4_codes", torch.empty(numel // 2, dtype=torch.uint8, device=device), persistent=False
+        )
+        self.register_buffer(
+            "nf4_absmax",
+            torch.empty(numel // BLOCK_SIZE, dtype=torch.float32, device=device),
+            persistent=False,
+        )
+        self.bias = bias
+        if bias is not None:
+            bias.requires_grad_(False)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @torch.no_grad()
+    def quantize_(self, weight: torch.Tensor) -> None:
+        """Store ``weight`` (its values in ``compute_dtype``, as the model would hold them)."""
+        if tuple(weight.shape) != tuple(self.shape):
+            raise ConfigError(
+                f"an NF4 layer of shape {tuple(self.shape)} was given a weight of shape "
+                f"{tuple(weight.shape)}."
+            )
+        flat = weight.detach().reshape(-1)
+        bnb = _bnb_functional()
+        for start in range(0, flat.numel(), QUANTIZE_CHUNK):
+            part = flat[start : start + QUANTIZE_CHUNK]
+            source = part.to(device=self.nf4_codes.device, dtype=self.compute_dtype).contiguous()
+            codes, state = bnb.quantize_4bit(
+                source, blocksize=BLOCK_SIZE, compress_statistics=False, quant_type=NF4
+            )
+            self.nf4_codes[start // 2 : (start + part.numel()) // 2].copy_(codes.view(-1))
+            blocks = slice(start // BLOCK_SIZE, (start + part.numel()) // BLOCK_SIZE)
+            self.nf4_absmax[blocks].copy_(state.absmax)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the forward uses it: NF4 codes times their block scale, in
+        ``compute_dtype`` (a fresh tensor each call)."""
+        state = _quant_state(self.nf4_codes, self.nf4_absmax, self.shape, self.compute_dtype)
+        return _bnb_functional().dequantize_4bit(self.nf4_codes.view(-1, 1), state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _NF4Matmul.apply(x.to(self.compute_dtype), self)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, nf4 blocks of {BLOCK_SIZE}"
+        )
+
+
+def check_quantizable(model: nn.Module, quant: str) -> None:
+    """Refuse what NF4 does not cover: MoE experts are fused 3-D weights, not Linear layers."""
+    if quant == NF4 and find_fused_experts(model):
+        raise ConfigError(
+            "model.quant=nf4 quantizes Linear layers, but this model's MoE experts are fused "
+            "3-D weights that it cannot hold in 4 bits; use model.quant=none for MoE models."
+        )
+
+
+def quantized_names(model: nn.Module) -> list[str]:
+    """Full names of the Linear layers ``model.quant=nf4`` stores in 4 bits."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in SKIPPED
+    ]
+
+
+def replace_linears(
+    model: nn.Module, dtype: torch.dtype, fill: Callable[[str, nn.Linear, NF4Linear], None]
+) -> list[str]:
+    """Swap every quantized Linear for an :class:`NF4Linear` (on the Linear's device: meta
+    stays meta), calling ``fill(name, linear, nf4)`` to give it its weight; the Linear's
+    weight is dropped as soon as it is quantized."""
+    names = quantized_names(model)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child)
+        device = linear.weight.device
+        nf4 = NF4Linear(linear.in_features, linear.out_features, dtype, linear.bias, device)
+        fill(name, linear, nf4)
+        setattr(parent, child, nf4)
+    return names
+
+
+def quantize_model(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Quantize a materialised model in place, layer by layer (a meta model gets meta
+    NF4 layers of the right shapes: another rank's weights fill them)."""
+    check_quantizable(model, NF4)
+
+    def fill(name: str, linear: nn.Linear, nf4: NF4Linear) -> None:
+        if not linear.weight.is_meta:
+            nf4.quantize_(linear.weight)
+
+    return replace_linears(model, dtype, fill)
+
+
+def load_quantized(model: nn.Module, read: Callable[[str], torch.Tensor]) -> list[str]:
+    """Quantize every :class:`NF4Linear` of ``model`` (materialised on the host) from
+    ``read(key)``, the full tensor stored under ``key``, one weight at a time."""
+    names = [name for name, m in model.named_modules() if isinstance(m, NF4Linear)]
+    for name in names:
+        model.get_submodule(name).quantize_(read(f"{name}.weight"))
+    return names
