@@ -315,7 +315,7 @@ def check_command_line(task: str, schema: type, argv: list[str], prog: str) -> C
     for arg in argv:  # another tool's flag: Hydra would print its usage and exit 2 unexplained
         habit = other_tools_hint(arg) if arg.startswith("--") else None
         if habit:
-            return (
+            return Checked(
                 f"{arg} is not an option of {prog}: settings are key=value overrides; "
                 f"did you mean {habit}? ({prog} --help lists every key)"
             )
