@@ -14,7 +14,7 @@ export WANDB_MODE ?= disabled
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plots,service,cookbook]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plots,service,cookbook,bench]"
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps tinker-cookbook==0.6.1
 	touch $@
 

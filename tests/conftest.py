@@ -76,6 +76,7 @@ SLOW_MODULES = (
     "recipes/test_recipe_configs.py",
     "recipes/test_recipe_smoke.py",
     "rundir/test_writers.py",
+    "scripts/test_peer_trl.py",
     "scripts/test_sweep_report.py",
     "scripts/test_trace_checkpoint.py",
     "service/test_cookbook.py",
