@@ -52,6 +52,7 @@ MODELS: dict[str, list[str]] = {
 #: veoptim's variants: extra config overrides. ``veoptim_eager`` is the baseline.
 VEOPTIM_VARIANTS: dict[str, list[str]] = {
     "veoptim_eager": [],
+    "veoptim": ["data.padding_free=true", "model.attn_implementation=sdpa_varlen"],
 }
 TRL_VARIANTS: dict[str, dict[str, Any]] = {"trl": {}}
 LOSS_RTOL = 1e-5

@@ -86,7 +86,8 @@ class ModelConfig:
         "sdpa",
         "Attention kernel, for a model built from config and for model.path alike: sdpa "
         "(torch's scaled_dot_product_attention) | eager | flash_attention_2 (CUDA with the "
-        "flash_attn package only).",
+        "flash_attn package only) | sdpa_varlen (sdpa over each document of a packed or "
+        "data.padding_free row alone, not over the whole row; padded batches as sdpa).",
     )
     activation_checkpointing: bool = opt(
         False,

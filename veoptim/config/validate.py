@@ -13,7 +13,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "run.device": ("auto", "cpu", "cuda", "npu"),
     "model.dtype": tuple(DTYPE_NAMES),
     "model.arch": ("qwen2", "qwen2_moe", "qwen3_moe"),
-    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "sdpa_varlen"),
     "scheduler.name": ("constant", "linear", "cosine", "wsd"),
     "parallel.param_dtype": tuple(DTYPE_NAMES),
     "parallel.reduce_dtype": tuple(DTYPE_NAMES),

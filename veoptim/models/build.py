@@ -27,7 +27,7 @@ from veoptim.config.schema import ModelConfig
 from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError
 from veoptim.models.activation_checkpointing import enable_activation_checkpointing
-from veoptim.models.attention import check_attn_implementation
+from veoptim.models.attention import VARLEN, check_attn_implementation
 from veoptim.models.sharded_load import parameters_on_meta
 
 SUPPORTED_ARCHS = {
@@ -147,6 +147,10 @@ def build_model(
     """
     dtype = resolve_dtype(cfg.dtype, "model.dtype")
     check_attn_implementation(cfg.attn_implementation)
+    if cfg.attn_implementation == VARLEN:
+        from veoptim.models.varlen import register_varlen
+
+        register_varlen()  # transformers checks the name when the model is built
     model = _build(cfg, dtype, vocab_size, special_tokens or {}, on_meta, buffers)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from veoptim.checkpoint.component import StateComponent
 from veoptim.data import IGNORE_INDEX, SFTDataset, collate
 from veoptim.data.fields import INPUT_IDS, LABELS
+from veoptim.data.packing import pack_row
 from veoptim.trainer.evaluation import perplexity
 from veoptim.trainer.objective import LossSum, MicroBatch
 
@@ -40,8 +41,10 @@ class SFTObjective:
 
     normaliser_name = "response tokens (check data.max_seq_len and the data's responses)"
 
-    def __init__(self, dataset: SFTDataset, pad_id: int) -> None:
+    def __init__(self, dataset: SFTDataset, pad_id: int, padding_free: bool = False) -> None:
         self.dataset, self.pad_id = dataset, pad_id
+        #: Collate each micro-batch as one row of its examples side by side (no padding).
+        self.padding_free = padding_free
         self.num_examples = len(dataset)
         self.data_fingerprint = dataset.fingerprint
 
@@ -49,7 +52,10 @@ class SFTObjective:
         """SFT needs no reference model."""
 
     def micro_batch(self, indices: list[int]) -> MicroBatch:
-        batch = collate([self.dataset[i] for i in indices], self.pad_id)
+        examples = [self.dataset[i] for i in indices]
+        if self.padding_free:
+            examples = [pack_row(examples, self.pad_id)]
+        batch = collate(examples, self.pad_id)
         return MicroBatch(
             inputs=batch,
             normaliser=count_loss_tokens(batch[LABELS]),
