@@ -52,7 +52,11 @@ MODELS: dict[str, list[str]] = {
 #: veoptim's variants: extra config overrides. ``veoptim_eager`` is the baseline.
 VEOPTIM_VARIANTS: dict[str, list[str]] = {
     "veoptim_eager": [],
-    "veoptim": ["data.padding_free=true", "model.attn_implementation=sdpa_varlen"],
+    "veoptim": [
+        "data.padding_free=true",
+        "model.attn_implementation=sdpa_varlen",
+        "train.micro_batch_tokens=8192",
+    ],
 }
 TRL_VARIANTS: dict[str, dict[str, Any]] = {"trl": {}}
 LOSS_RTOL = 1e-5

@@ -148,6 +148,12 @@ class TrainConfig:
     stop_at_step: int = opt(0, "Save and exit cleanly at this global step (0 = run to max_steps).")
     global_batch_size: int = opt(16, "Sequences per optimizer step, summed over all ranks.")
     micro_batch_size: int = opt(4, "Sequences per forward/backward on one rank.")
+    micro_batch_tokens: int = opt(
+        0,
+        "Choose the micro-batch from a token budget instead of train.micro_batch_size (0 = "
+        "off): the largest divisor of the per-rank batch whose worst case, that many copies "
+        "of the longest training example, fits in this many tokens (SFT).",
+    )
     grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).")
     seed: int = opt(0, "Seed of data order and RNG states.")
 

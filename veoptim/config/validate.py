@@ -43,6 +43,7 @@ NON_NEGATIVE: tuple[str, ...] = (
     "train.epochs",
     "train.eval_every",
     "train.stop_at_step",
+    "train.micro_batch_tokens",
     "train.grad_clip",
     "checkpoint.save_steps",
     "checkpoint.save_epochs",

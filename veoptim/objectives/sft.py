@@ -48,6 +48,12 @@ class SFTObjective:
         self.num_examples = len(dataset)
         self.data_fingerprint = dataset.fingerprint
 
+    @property
+    def longest_example(self) -> int:
+        """Tokens of the longest example (or packed row): ``train.micro_batch_tokens``
+        sizes micro-batches from it."""
+        return max(len(self.dataset[i][INPUT_IDS]) for i in range(self.num_examples))
+
     def setup(self, model: torch.nn.Module, starting_model: Callable[[], torch.nn.Module]) -> None:
         """SFT needs no reference model."""
 
