@@ -52,6 +52,8 @@ bench: setup
 	$(PY) scripts/bench/moe_layer.py
 	$(PY) scripts/bench/activation_memory.py
 	OMP_NUM_THREADS=1 $(PY) scripts/bench/sharded_load.py
+	$(PY) scripts/bench/peer_trl.py
+	$(PY) scripts/bench/step_profile.py
 
 clean:
 	rm -rf runs outputs multirun .pytest_cache
