@@ -58,7 +58,9 @@ VEOPTIM_VARIANTS: dict[str, list[str]] = {
         "train.micro_batch_tokens=8192",
     ],
 }
-TRL_VARIANTS: dict[str, dict[str, Any]] = {"trl": {}}
+#: TRL's variants: extra SFTConfig fields. ``trl_padding_free`` is its own padding-free
+#: collation (one row per micro-batch, transformers' sdpa masking it block-diagonally).
+TRL_VARIANTS: dict[str, dict[str, Any]] = {"trl": {}, "trl_padding_free": {"padding_free": True}}
 LOSS_RTOL = 1e-5
 VERIFY_FAILED_EXIT = 3
 

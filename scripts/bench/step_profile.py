@@ -57,7 +57,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="veoptim-profile-") as tmp:
         spec = {"model": args.model, "run_dir": tmp, "global_batch": args.global_batch,
                 "micro_batch": args.micro_batch, "dtype": "bf16", "warmup": args.warmup,
-                "steps": 1}  # fmt: skip
+                "steps": 20}  # fmt: skip
         cfg = compose(spec, VEOPTIM_VARIANTS[args.variant])
         trainer = Trainer.from_config(cfg, init_distributed("cpu", "auto", {}))
         trainer.model.train()

@@ -16,7 +16,7 @@ from tests.checkpoint.helpers import ckpt_io
 from veoptim.checkpoint import step_name
 from veoptim.data.fields import ATTENTION_MASK, INPUT_IDS, LABELS, POSITION_IDS
 from veoptim.distributed import init_distributed
-from veoptim.objectives.sft import count_loss_tokens
+from veoptim.objectives.sft import ROW_MULTIPLE, count_loss_tokens
 from veoptim.trainer import Trainer
 
 BASE = ["run.device=cpu", "logging.progress=false", "logging.level=WARNING", "export.hf=false",
@@ -37,17 +37,20 @@ def curve(tmp_path, overrides: list[str], steps: int = 4) -> list[tuple[float, f
     return [(m["loss"], m["grad_norm"]) for m in (t.train_step() for _ in range(steps))]
 
 
-def test_a_micro_batch_is_one_row_without_padding(tmp_path):
+def test_a_micro_batch_is_one_row_padded_only_at_its_end(tmp_path):
     padded = trainer(tmp_path / "a", []).objective
     free = trainer(tmp_path / "b", ["data.padding_free=true"]).objective
     indices = [3, 17, 42, 99]
     a, b = padded.micro_batch(indices), free.micro_batch(indices)
     lengths = [len(padded.dataset[i][INPUT_IDS]) for i in indices]
-    assert b.inputs[INPUT_IDS].shape == (1, sum(lengths)) and ATTENTION_MASK not in b.inputs
-    assert b.inputs[POSITION_IDS][0].tolist() == [p for n in lengths for p in range(n)]
+    row = -(-sum(lengths) // ROW_MULTIPLE) * ROW_MULTIPLE  # a few pad tokens bound the shapes
+    assert b.inputs[INPUT_IDS].shape == (1, row) and ATTENTION_MASK not in b.inputs
+    pad = row - sum(lengths)
+    assert b.inputs[POSITION_IDS][0].tolist() == [p for n in [*lengths, pad] for p in range(n)]
+    assert (b.inputs[LABELS][0, sum(lengths) :] == -100).all()
     assert (b.normaliser, b.tokens) == (a.normaliser, a.tokens) == (
         count_loss_tokens(a.inputs[LABELS]), sum(lengths))  # fmt: skip
-    assert a.inputs[INPUT_IDS].numel() > sum(lengths)  # the padded batch had padding
+    assert a.inputs[INPUT_IDS].numel() > sum(lengths)  # the padded batch pads every example
 
 
 @pytest.mark.parametrize("attn", ["sdpa_varlen", "sdpa"])

@@ -54,8 +54,8 @@ class SFTDataConfig(DataConfig):
     padding_free: bool = opt(
         False,
         "Collate each micro-batch as one row of its examples side by side, each attending only "
-        "to itself: no token of padding is computed; the same examples, labels and loss "
-        "(rounding aside). Pair with model.attn_implementation=sdpa_varlen, which attends "
+        "to itself, padded at its end only (to a multiple of 64 tokens); the same examples, "
+        "labels and loss (rounding aside). Pair with model.attn_implementation=sdpa_varlen, which attends "
         "within each example only (sdpa attends over the whole row through a mask).",
     )
     source: str = opt(
