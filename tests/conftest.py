@@ -67,6 +67,7 @@ SLOW_MODULES = (
     "lora/test_lora_training.py",
     "lora/test_multi_lora_task.py",
     "models/test_activation_checkpointing.py",
+    "models/test_compile.py",
     "models/test_grouped_experts.py",
     "objectives/test_dpo_runs.py",
     "optim/test_bench_optimizer_step.py",

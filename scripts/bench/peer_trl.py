@@ -57,6 +57,12 @@ VEOPTIM_VARIANTS: dict[str, list[str]] = {
         "model.attn_implementation=sdpa_varlen",
         "train.micro_batch_tokens=8192",
     ],
+    "veoptim_compiled": [
+        "data.padding_free=true",
+        "model.attn_implementation=sdpa_varlen",
+        "train.micro_batch_tokens=8192",
+        "model.compile=true",
+    ],
 }
 #: TRL's variants: extra SFTConfig fields. ``trl_padding_free`` is its own padding-free
 #: collation (one row per micro-batch, transformers' sdpa masking it block-diagonally).
@@ -366,7 +372,7 @@ def pairs(base: dict[str, Any], variants: list[str], n: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,qwen2_26m")
-    parser.add_argument("--variants", default=",".join([*VEOPTIM_VARIANTS, *TRL_VARIANTS]))
+    parser.add_argument("--variants", default="veoptim_eager,veoptim,trl,trl_padding_free")
     parser.add_argument("--pairs", type=int, default=3, help="0: the verification only")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")

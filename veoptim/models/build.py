@@ -28,6 +28,7 @@ from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError
 from veoptim.models.activation_checkpointing import enable_activation_checkpointing
 from veoptim.models.attention import VARLEN, check_attn_implementation
+from veoptim.models.compile import compile_layers
 from veoptim.models.sharded_load import parameters_on_meta
 
 SUPPORTED_ARCHS = {
@@ -143,7 +144,8 @@ def build_model(
     construction (rotary tables) on the CPU: every rank then loads its own shards
     (``veoptim.models.sharded_load``) and no rank broadcasts.
     Both sources get ``cfg.attn_implementation`` and, with ``cfg.activation_checkpointing``,
-    per decoder layer activation checkpointing (no parameter name changes).
+    per decoder layer activation checkpointing, with ``cfg.compile`` compiled decoder layers
+    (neither changes a parameter name).
     """
     dtype = resolve_dtype(cfg.dtype, "model.dtype")
     check_attn_implementation(cfg.attn_implementation)
@@ -154,6 +156,8 @@ def build_model(
     model = _build(cfg, dtype, vocab_size, special_tokens or {}, on_meta, buffers)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if cfg.compile:
+        compile_layers(model)
     return model
 
 
