@@ -2,7 +2,8 @@
 every parameter name, and resume bitwise.
 
 Tolerance: FP32, 4 steps of the tiny model: losses and gradient norms within 1e-5
-relative of eager (inductor fuses the element-wise work and rounds in another order).
+relative of eager (measured 9e-8: inductor fuses the element-wise work and rounds in
+another order).
 """
 
 from __future__ import annotations
