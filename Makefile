@@ -14,7 +14,7 @@ export WANDB_MODE ?= disabled
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plots,service,cookbook,quant]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plots,service,cookbook,quant,bench]"
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps tinker-cookbook==0.6.1
 	touch $@
 
@@ -52,6 +52,8 @@ bench: setup
 	$(PY) scripts/bench/moe_layer.py
 	$(PY) scripts/bench/activation_memory.py
 	OMP_NUM_THREADS=1 $(PY) scripts/bench/sharded_load.py
+	$(PY) scripts/bench/peer_trl.py
+	$(PY) scripts/bench/step_profile.py
 
 clean:
 	rm -rf runs outputs multirun .pytest_cache

@@ -97,13 +97,20 @@ class ModelConfig:
         "sdpa",
         "Attention kernel, for a model built from config and for model.path alike: sdpa "
         "(torch's scaled_dot_product_attention) | eager | flash_attention_2 (CUDA with the "
-        "flash_attn package only).",
+        "flash_attn package only) | sdpa_varlen (sdpa over each document of a packed or "
+        "data.padding_free row alone, not over the whole row; padded batches as sdpa).",
     )
     activation_checkpointing: bool = opt(
         False,
         "Recompute each decoder layer's activations in the backward instead of keeping them: "
         "less activation memory for longer sequences, about one more forward of compute; "
         "gradients and state-dict keys are unchanged.",
+    )
+    compile: bool = opt(
+        False,
+        "Compile each decoder layer with torch.compile (inductor, dynamic shapes): the "
+        "element-wise work fused; the first steps compile (tens of seconds on a CPU); "
+        "numerics within rounding of eager (resume stays bitwise within the mode).",
     )
 
 
@@ -164,6 +171,12 @@ class TrainConfig:
     stop_at_step: int = opt(0, "Save and exit cleanly at this global step (0 = run to max_steps).")
     global_batch_size: int = opt(16, "Sequences per optimizer step, summed over all ranks.")
     micro_batch_size: int = opt(4, "Sequences per forward/backward on one rank.")
+    micro_batch_tokens: int = opt(
+        0,
+        "Choose the micro-batch from a token budget instead of train.micro_batch_size (0 = "
+        "off): the largest divisor of the per-rank batch whose worst case, that many copies "
+        "of the longest training example, fits in this many tokens (SFT).",
+    )
     grad_clip: float = opt(1.0, "Max global gradient norm (0 = no clipping).")
     seed: int = opt(0, "Seed of data order and RNG states.")
     loss_scale_init: float = opt(

@@ -41,6 +41,14 @@ def _flush(parts: list[Example], max_seq_len: int, pad_id: int) -> Example:
     }
 
 
+def pack_row(examples: list[Example], pad_id: int, multiple: int = 1) -> Example:
+    """``examples`` as one row (``data.padding_free``): a micro-batch's examples side by
+    side, each attending only to itself, the same labels trained; padded at the end (as
+    packing pads, a document of its own labelled -100) to a multiple of ``multiple``."""
+    used = sum(len(e[INPUT_IDS]) for e in examples)
+    return _flush(examples, -(-used // multiple) * multiple, pad_id)
+
+
 def pack_examples(examples: list[Example], max_seq_len: int, pad_id: int) -> list[Example]:
     """Pack ``examples`` (each at most ``max_seq_len`` long) into rows of exactly ``max_seq_len``."""
     rows: list[Example] = []

@@ -6,9 +6,11 @@ import importlib.util
 
 from veoptim.errors import ConfigError
 
-#: transformers' names; ``sdpa`` is torch's scaled_dot_product_attention (the default).
-ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2")
+#: transformers' names; ``sdpa`` is torch's scaled_dot_product_attention (the default);
+#: ``sdpa_varlen`` is veoptim's (``varlen.py``): each packed document attended alone.
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager", "flash_attention_2", "sdpa_varlen")
 FLASH = "flash_attention_2"
+VARLEN = "sdpa_varlen"
 
 
 def check_attn_implementation(name: str, device_type: str | None = None) -> None:

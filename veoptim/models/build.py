@@ -28,7 +28,8 @@ from veoptim.config.schema import ModelConfig
 from veoptim.dtypes import resolve_dtype
 from veoptim.errors import ConfigError
 from veoptim.models.activation_checkpointing import enable_activation_checkpointing
-from veoptim.models.attention import check_attn_implementation
+from veoptim.models.attention import VARLEN, check_attn_implementation
+from veoptim.models.compile import compile_layers
 from veoptim.models.quant import NF4, load_quantized, quantize_model
 from veoptim.models.sharded_load import SafetensorsShards, parameters_on_meta
 
@@ -147,12 +148,17 @@ def build_model(
     construction (rotary tables) on the CPU: every rank then loads its own shards
     (``veoptim.models.sharded_load``) and no rank broadcasts.
     Both sources get ``cfg.attn_implementation`` and, with ``cfg.activation_checkpointing``,
-    per decoder layer activation checkpointing (no parameter name changes). With
-    ``cfg.quant=nf4`` the decoder's Linear layers are 4-bit (``veoptim.models.quant``): a
-    ``model.path`` in safetensors is quantized as it is read, tensor by tensor.
+    per decoder layer activation checkpointing, with ``cfg.compile`` compiled decoder
+    layers (neither changes a parameter name). With ``cfg.quant=nf4`` the decoder's Linear
+    layers are 4-bit (``veoptim.models.quant``): a ``model.path`` in safetensors is
+    quantized as it is read, tensor by tensor.
     """
     dtype = resolve_dtype(cfg.dtype, "model.dtype")
     check_attn_implementation(cfg.attn_implementation)
+    if cfg.attn_implementation == VARLEN:
+        from veoptim.models.varlen import register_varlen
+
+        register_varlen()  # transformers checks the name when the model is built
     model = None
     if cfg.quant == NF4 and cfg.path and not on_meta:
         model = _load_quantized(cfg, dtype)
@@ -162,6 +168,8 @@ def build_model(
             quantize_model(model, dtype)
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if cfg.compile:
+        compile_layers(model)
     return model
 
 

@@ -51,6 +51,13 @@ class SFTDataConfig(DataConfig):
         "with datasets); empty = the bundled synthetic dataset.",
     )
     packing: bool = opt(False, "Pack several examples into each sequence instead of padding.")
+    padding_free: bool = opt(
+        False,
+        "Collate each micro-batch as one row of its examples side by side, each attending only "
+        "to itself, padded at its end only (to a multiple of 64 tokens); the same examples, "
+        "labels and loss (rounding aside). Pair with model.attn_implementation=sdpa_varlen, which attends "
+        "within each example only (sdpa attends over the whole row through a mask).",
+    )
     source: str = opt(
         "auto",
         "Reader: auto | jsonl | datasets. auto = the JSONL reader for a .jsonl file (or the "
@@ -111,6 +118,7 @@ class SFTConfig(TrainerConfig):
                 self.data.read_options(),
             ),
             tokenizer.pad_token_id,
+            self.data.padding_free,
         )
 
 

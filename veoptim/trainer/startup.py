@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from veoptim.arith import divisors
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import StateComponent
 from veoptim.config.launch import check_launch
@@ -57,6 +58,25 @@ def load_inputs(cfg: TrainerConfig) -> RunInputs:
     )
 
 
+def micro_batch_size(cfg: TrainerConfig, objective: Objective, dp_size: int) -> int:
+    """``train.micro_batch_size``, or with ``train.micro_batch_tokens`` the largest divisor
+    of the per-rank batch that many of the longest example fit in (at least 1): a fixed
+    size, so the accumulation and the sums it makes do not change from step to step."""
+    budget = cfg.train.micro_batch_tokens
+    if not budget:
+        return cfg.train.micro_batch_size
+    longest = getattr(objective, "longest_example", None)
+    if longest is None:
+        raise ConfigError(
+            f"train.micro_batch_tokens={budget}: this task's objective "
+            f"({type(objective).__name__}) does not tell its longest example; set "
+            "train.micro_batch_tokens=0 and train.micro_batch_size."
+        )
+    per_rank = cfg.train.global_batch_size // max(dp_size, 1)
+    fits = [d for d in divisors(per_rank) if d * longest <= budget]
+    return max(fits, default=1)
+
+
 def build_sampler(
     cfg: TrainerConfig, inputs: RunInputs, *, dp_rank: int, dp_size: int
 ) -> GlobalBatchSampler:
@@ -65,7 +85,7 @@ def build_sampler(
     return GlobalBatchSampler(
         num_examples=len(holdout.train),
         global_batch_size=cfg.train.global_batch_size,
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=micro_batch_size(cfg, inputs.objective, dp_size),
         dp_rank=dp_rank,
         dp_size=dp_size,
         seed=cfg.train.seed,

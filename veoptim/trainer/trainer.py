@@ -391,7 +391,7 @@ class Trainer:
             self.eval_set,
             self.plan,
             self.ctx.device,
-            self.cfg.train.micro_batch_size,
+            self.sampler.micro_batch_size,
         )
         self.callbacks.call("on_eval_end", self, metrics)
         return metrics
