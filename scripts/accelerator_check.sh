@@ -4,7 +4,8 @@
 #   2. scripts/bench/optimizer_step.py on a ~1e9-parameter state on cuda: full_fp32_adamw
 #      (compiled kernel, and eager) and master_fp32_adamw vs torch.optim.AdamW(fused=True),
 #      cpu_offload_adamw vs the resident step and vs the host update alone;
-#   3. scripts/bench/checkpoint_io.py (CPU-side checkpoint I/O; it takes no device).
+#   3. scripts/bench/checkpoint_io.py (CPU-side checkpoint I/O; it takes no device);
+#   4. scripts/bench/qlora.py on the device: QLoRA against BF16 LoRA (GPU memory, step time).
 #
 #   scripts/accelerator_check.sh OUT_DIR               # on a GPU machine
 #   scripts/accelerator_check.sh OUT_DIR --cpu-smoke   # same pipeline, CPU, tiny sizes
@@ -72,11 +73,13 @@ if [ "$SMOKE" = 1 ]; then
   DEVICE=cpu REQUIRE=0 NUMEL=200000 ROUNDS=2
   VARIANTS=torch_fused_adamw_fp32,full_fp32_adamw_bf16_params,full_fp32_adamw_bf16_params_eager,master_fp32_adamw_bf16_params,cpu_offload_adamw_bf16_params,host_update_bf16_params
   CKPT_ARGS=(--size-mb 5 --repeats 1)
-  T_TESTS=180 T_OPTIM=120 T_CKPT=120
+  QLORA_ARGS=(--hidden 256 --intermediate 512 --layers 2 --seq 64 --steps 4 --repeats 1)
+  T_TESTS=180 T_OPTIM=120 T_CKPT=120 T_QLORA=120
 else
   DEVICE=cuda REQUIRE=1 NUMEL=1073741824 ROUNDS=5 VARIANTS=""
   CKPT_ARGS=(--size-mb 200 --repeats 3)
-  T_TESTS=180 T_OPTIM=210 T_CKPT=90
+  QLORA_ARGS=(--steps 8 --repeats 1)
+  T_TESTS=180 T_OPTIM=210 T_CKPT=90 T_QLORA=90
 fi
 
 # step NAME TIMEOUT_S CMD...: runs CMD, records its return code and milliseconds in $WORK/NAME.rc/.ms
@@ -99,6 +102,7 @@ step optimizer_step "$T_OPTIM" "$PY" scripts/bench/optimizer_step.py --device "$
   --numel "$NUMEL" --rounds "$ROUNDS" ${VARIANTS:+--variants "$VARIANTS"} \
   --out "$WORK/optimizer_step.json"
 step checkpoint_io "$T_CKPT" "$PY" scripts/bench/checkpoint_io.py "${CKPT_ARGS[@]}"
+step qlora "$T_QLORA" "$PY" scripts/bench/qlora.py --device "$DEVICE" "${QLORA_ARGS[@]}"
 cp "$WORK"/*.log "$WORK"/tests.xml "$OUT_DIR"/ 2>/dev/null
 
 GPU_NAME=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null |
@@ -124,7 +128,7 @@ def last_json_line(text: str):
 
 
 steps = {}
-for name in ("tests", "optimizer_step", "checkpoint_io"):
+for name in ("tests", "optimizer_step", "checkpoint_io", "qlora"):
     log = (work / f"{name}.log").read_text(errors="replace")
     steps[name] = {
         "rc": int((work / f"{name}.rc").read_text()),

@@ -10,6 +10,7 @@ fresh process with ``tasks.sft`` (``model=hf_local``, LoRA on every projection,
 * ``peak_rss_mb``: the process's peak RSS (``VmHWM``) over load and training;
 * ``model_peak_rss_mb``: the same less the RSS after importing torch and transformers
   (what the model, its load and training add to the interpreter);
+* ``device_peak_mb`` (``--device cuda``): the peak of memory allocated on the GPU;
 * ``step_s``: the median ``step_time_s`` of the steps after the first two.
 
 Prints one JSON object with the medians over ``--repeats`` rounds and the ratios
@@ -48,7 +49,7 @@ def _rss_kb(field: str) -> int:
 
 def child(overrides: list[str]) -> None:
     """Train one variant in this process; print its RSS figures and step times as JSON."""
-    import torch  # noqa: F401 - the interpreter's baseline includes torch and transformers
+    import torch  # the interpreter's baseline includes torch and transformers
     import transformers  # noqa: F401
 
     from tasks.sft import main
@@ -63,7 +64,9 @@ def child(overrides: list[str]) -> None:
             raise
     peak = _rss_kb("VmHWM")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0
     print(json.dumps({"peak_kb": peak, "baseline_kb": baseline,
+                      "device_peak_bytes": device_peak,
                       "step_s": [s["step_time_s"] for s in steps],
                       "loss": [s["loss"] for s in steps]}))  # fmt: skip
 
@@ -153,13 +156,14 @@ def main() -> None:
             "peak_rss_mb": statistics.median(r["peak_kb"] for r in runs) / 1024,
             "model_peak_rss_mb": statistics.median(r["peak_kb"] - r["baseline_kb"] for r in runs)
             / 1024,
+            "device_peak_mb": statistics.median(r["device_peak_bytes"] for r in runs) / MB,
             "step_s": statistics.median(s for r in runs for s in r["step_s"][2:]),
             "first_loss": runs[0]["loss"][0],
         }
     q, b = result["qlora_nf4"], result["bf16_lora"]
-    result["ratio"] = {
-        key: q[key] / b[key] for key in ("peak_rss_mb", "model_peak_rss_mb", "step_s")
-    }
+    keys = ["peak_rss_mb", "model_peak_rss_mb", "step_s"]
+    keys += ["device_peak_mb"] if b["device_peak_mb"] else []
+    result["ratio"] = {key: q[key] / b[key] for key in keys}
     print(json.dumps(result))
 
 
