@@ -88,7 +88,9 @@ def serve_on(ctx: DistContext, config: ServeConfig) -> None:
     from veoptim.service.ranks import ServedTrainer
     from veoptim.service.runtime import Service
     from veoptim.service.server import serve
+    from veoptim.service.threads import apply_server_threads
 
+    apply_server_threads(config.serve.threads)
     served = ServedTrainer(SlotTrainer.from_config(config, ctx), config.serve.rank_timeout_s)
     try:
         if ctx.is_main:

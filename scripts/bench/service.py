@@ -36,10 +36,18 @@ client is its own process (the pinned ``tinker`` SDK) with its own slot and
 - HTTP: the server's CPU per request of three calls with no model work (``healthz``,
   ``get_server_capabilities``, ``session_heartbeat``), ``--requests`` of each in a row.
 
-``--parts`` picks among ``http``, ``train``, ``sample`` and ``rl`` (default all). Prints one
+- Threads (``--parts threads``, not in the default parts: it starts a server per
+  setting): training rounds/s of 1, 4 and 16 concurrent SDK clients (on this machine,
+  sharing its cores) against servers of each thread setting in one run: the default
+  (``serve.threads`` auto, no ``OMP_NUM_THREADS``), ``OMP_NUM_THREADS=1``, torch's own
+  default (a thread per physical core) and every other count up to the cores. Goal: the
+  default >= 0.9x the best setting, and 4 clients >= 1 client.
+
+``--parts`` picks among ``http``, ``train``, ``sample``, ``rl`` and ``threads`` (default
+all but ``threads``). Prints one
 JSON line (medians over ``--rounds`` after ``--warmup``).
 
-    .venv/bin/python scripts/bench/service.py [--hidden 384] [--layers 4] [--rank 16] [--rows 4] [--rounds 8] [--clients 1,4,16] [--submit-ahead 1] [--parts http,train,sample,rl] [--max-tokens 16] [--group 4] [--requests 2000]
+    .venv/bin/python scripts/bench/service.py [--hidden 384] [--layers 4] [--rank 16] [--rows 4] [--rounds 8] [--clients 1,4,16] [--submit-ahead 1] [--parts http,train,sample,rl,threads] [--max-tokens 16] [--group 4] [--requests 2000]
 """
 
 from __future__ import annotations
@@ -432,6 +440,7 @@ def run_clients(commands: list[list[str]], outs: list[Path], start_file: Path,
 def summary(results: list[dict[str, Any]], server_cpu: float) -> dict[str, Any]:
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     return {"tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1),
+            "rounds_per_s": round(sum(len(r["times"]) for r in results) / wall, 2),
             "round_s_median": round(median(t for r in results for t in r["times"]), 4),
             "wall_s": round(wall, 2), "server_cpu_s": round(server_cpu, 2),
             "clients_cpu_s": round(sum(r["cpu_s"] for r in results), 2)}  # fmt: skip
@@ -512,6 +521,122 @@ def http_costs(url: str, key: str, requests: int, server_pid: int) -> dict[str, 
     return out
 
 
+def start_server(args: argparse.Namespace, work: Path, name: str, extra: list[str],
+                 env: dict[str, str]) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """A server process on a free 127.0.0.1 port (``extra`` overrides, ``env`` on top of
+    this process's environment, None values removed), answering ``healthz``; its URL."""
+    port = free_port()
+    environ = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tasks.serve", f"run.dir={work / name}", f"serve.port={port}",
+         f"serve.keys_file={work / 'keys.txt'}", *overrides(args), *extra],
+        cwd=REPO, env={k: v for k, v in environ.items() if v is not None},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        if server.poll() is not None:
+            break
+    server.kill()
+    raise RuntimeError(f"the {name} server did not start")
+
+
+def thread_variants() -> dict[str, tuple[list[str], dict[str, Any]]]:
+    """The servers' thread settings compared by ``--parts threads``: the default (auto,
+    no ``OMP_NUM_THREADS``), ``OMP_NUM_THREADS=1``, torch's own default (a thread per
+    physical core, what a server that leaves it to chance gets) and every other explicit
+    count up to the cores."""
+    import torch
+
+    torch_default = torch.get_num_threads() if "OMP_NUM_THREADS" not in os.environ else None
+    if torch_default is None:  # this process runs under OMP_NUM_THREADS: ask a fresh one
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                             env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        torch_default = int(out.stdout)
+    variants = {
+        "default": ([], {"OMP_NUM_THREADS": None}),
+        "omp_num_threads_1": ([], {"OMP_NUM_THREADS": "1"}),
+        f"torch_default_{torch_default}": ([f"serve.threads={torch_default}"],
+                                           {"OMP_NUM_THREADS": None}),
+    }  # fmt: skip
+    for n in range(2, (os.cpu_count() or 1) + 1):
+        if n != torch_default:
+            variants[f"explicit_{n}"] = ([f"serve.threads={n}"], {"OMP_NUM_THREADS": None})
+    return variants
+
+
+def thread_runs(
+    args: argparse.Namespace, key: str, counts: list[int], work: Path
+) -> dict[str, Any]:
+    """Training rounds/s of ``counts`` concurrent SDK clients (on this machine) against a
+    server of each thread variant, in one run; the default against the others."""
+    out: dict[str, Any] = {}
+    for name, (extra, env) in thread_variants().items():
+        server, url = start_server(args, work, f"threads_{name}", extra, env)
+        try:
+            out[name] = {str(n): training_clients(args, url, key, n, args.submit_ahead, work,
+                                                  server.pid)["rounds_per_s"]
+                         for n in counts}  # fmt: skip
+        finally:
+            server.terminate()
+            server.wait(120)
+    best = {n: max(v[str(n)] for v in out.values()) for n in counts}
+    default = out["default"]
+    return {
+        "rounds_per_s": out,
+        "default_vs_best": {str(n): round(default[str(n)] / best[n], 3) for n in counts},
+        "default_vs_omp_num_threads_1": {
+            str(n): round(default[str(n)] / out["omp_num_threads_1"][str(n)], 3) for n in counts},
+        "default_vs_torch_default": {
+            str(n): round(default[str(n)] / v[str(n)], 3) for n in counts
+            for k, v in out.items() if k.startswith("torch_default")},
+        "default_4_vs_1_client": round(default["4"] / default["1"], 2)
+        if "4" in default and "1" in default else None,
+    }  # fmt: skip
+
+
+def server_parts(args: argparse.Namespace, parts: set[str], report: dict[str, Any],
+                 direct: dict[str, Any], training: Any, key: str, counts: list[int],
+                 work: Path) -> None:  # fmt: skip
+    """The parts measured on one default server: http, train, sample, rl."""
+    server, url = start_server(args, work, "serve", [], {})
+    try:
+        if "http" in parts:
+            report["http"] = http_costs(url, key, args.requests, server.pid)
+        if "train" in parts:
+            report.update(training_runs(args, training, url, key, counts, work, server.pid))
+        if "sample" in parts:
+            one_client("--publish", url, key, str(max(counts)), str(args.rank),
+                       str(work / "snapshots.json"))  # fmt: skip
+            paths = json.loads((work / "snapshots.json").read_text())
+            sampling = [sampling_clients(args, url, key, paths, n, work, server.pid)
+                        for n in counts]  # fmt: skip
+            by_count = {r["clients"]: r for r in sampling}
+            report.update({"sdk_sampling": sampling,
+                "sampling_ratio_16_vs_1_client": round(
+                    by_count[SLOTS]["tokens_per_s"] / by_count[1]["tokens_per_s"], 2)
+                if SLOTS in by_count and 1 in by_count else None})  # fmt: skip
+        if "rl" in parts:
+            one_client("--rl", url, key, str(args.rounds), str(args.warmup), str(args.rank),
+                       str(args.max_tokens), str(args.group), str(work / "rl.json"))  # fmt: skip
+            step = median(json.loads((work / "rl.json").read_text())["times"])
+            report.update({"sdk_rl_step_s": round(step, 4),
+                           "rl_step_ratio_sdk_vs_in_process": round(
+                               step / direct["rl"]["step_s"], 3)})  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(120)
+
+
 def one_client(*command: str) -> None:
     subprocess.run([sys.executable, __file__, *command], env=client_env(), check=True, timeout=1200)
 
@@ -542,8 +667,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="per call of --parts http")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    if not parts <= {"http", "train", "sample", "rl"}:
-        parser.error(f"--parts takes http, train, sample and rl; got {args.parts}")
+    if not parts <= {"http", "train", "sample", "rl", "threads"}:
+        parser.error(f"--parts takes http, train, sample, rl and threads; got {args.parts}")
     counts = [int(n) for n in args.clients.split(",")]
     if max(counts) > SLOTS:
         parser.error(f"--clients: at most {SLOTS} (the server's slots)")
@@ -553,14 +678,6 @@ def main() -> None:
     direct, training = in_process(args, work / "in_process", parts)
     key = "tml-bench-" + os.urandom(16).hex()
     (work / "keys.txt").write_text(f"bench {key}\n")
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tasks.serve", f"run.dir={work / 'serve'}", f"serve.port={port}",
-         f"serve.keys_file={work / 'keys.txt'}", *overrides(args)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
     report: dict[str, Any] = {
         "bench": "service", "dir": str(work),
         "model": {"hidden_size": args.hidden, "intermediate_size": args.intermediate,
@@ -568,41 +685,10 @@ def main() -> None:
         "lora_r": args.rank, "slots": SLOTS, "rows_per_client": args.rows, "rounds": args.rounds,
         "max_tokens": args.max_tokens, "rl_group": args.group, "in_process": direct,
     }  # fmt: skip
-    try:
-        import httpx
-
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        if "http" in parts:
-            report["http"] = http_costs(url, key, args.requests, server.pid)
-        if "train" in parts:
-            report.update(training_runs(args, training, url, key, counts, work, server.pid))
-        if "sample" in parts:
-            one_client("--publish", url, key, str(max(counts)), str(args.rank),
-                       str(work / "snapshots.json"))  # fmt: skip
-            paths = json.loads((work / "snapshots.json").read_text())
-            sampling = [sampling_clients(args, url, key, paths, n, work, server.pid)
-                        for n in counts]  # fmt: skip
-            by_count = {r["clients"]: r for r in sampling}
-            report.update({"sdk_sampling": sampling,
-                "sampling_ratio_16_vs_1_client": round(
-                    by_count[SLOTS]["tokens_per_s"] / by_count[1]["tokens_per_s"], 2)
-                if SLOTS in by_count and 1 in by_count else None})  # fmt: skip
-        if "rl" in parts:
-            one_client("--rl", url, key, str(args.rounds), str(args.warmup), str(args.rank),
-                       str(args.max_tokens), str(args.group), str(work / "rl.json"))  # fmt: skip
-            step = median(json.loads((work / "rl.json").read_text())["times"])
-            report.update({"sdk_rl_step_s": round(step, 4),
-                           "rl_step_ratio_sdk_vs_in_process": round(
-                               step / direct["rl"]["step_s"], 3)})  # fmt: skip
-    finally:
-        server.terminate()
-        server.wait(120)
+    if "threads" in parts:
+        report["threads"] = thread_runs(args, key, counts, work)
+    if parts - {"threads"}:
+        server_parts(args, parts, report, direct, training, key, counts, work)
     report["targets"] = {"round_trip": f"<= {TARGET_ROUND_TRIP}",
                          "throughput": f">= {TARGET_THROUGHPUT}",
                          "sampling_16_vs_1": f">= {TARGET_SAMPLING}"}  # fmt: skip

@@ -114,3 +114,120 @@ def test_a_batch_of_two_tenants_matches_their_lone_runs(server):
             )
         assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
     sc.close("success").result()
+
+
+# ---------------------------------------------------------------- fair scheduling
+class Rows:
+    """A batch part of ``rows`` rows that joins parts of the same ``kind``."""
+
+    def __init__(self, kind: str, rows: int = 1) -> None:
+        self.kind, self.rows = kind, rows
+
+    def joins(self, other) -> bool:
+        return isinstance(other, Rows) and other.kind == self.kind
+
+
+def held_engine(tmp_path, schedule: str, max_rows: int = 64):
+    """An engine whose first batch waits for ``release``: the test queues work behind it."""
+    import threading
+
+    ran: list[list[str]] = []
+    started, release = threading.Event(), threading.Event()
+
+    def run_batch(ops: list[Op]) -> list[dict]:
+        ran.append([o.kind for o in ops])
+        started.set()
+        release.wait(10)
+        return [{} for _ in ops]
+
+    futures = FutureTable(Database(tmp_path / "db.sqlite"), 1000)
+    e = Engine(futures, batch_tenants=True, gap_timeout_s=10, run_batch=run_batch,
+               schedule=schedule, max_batch_rows=max_rows)  # fmt: skip
+    return e, ran, started, release
+
+
+def settle(e: Engine) -> None:
+    deadline = time.monotonic() + 10
+    while not e.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert e.idle()
+
+
+def free(e: Engine, tenant: int, name: str, kind: str, rows: int = 1) -> None:
+    e.submit(tenant, None, None, name, lambda: Op(name, None, batch=Rows(kind, rows)))
+
+
+@pytest.mark.parametrize("schedule", ["fair", "fifo"])
+def test_a_small_request_runs_in_the_batch_after_another_tenants_backlog_is_queued(
+    tmp_path, schedule
+):
+    """Tenant 2's backlog of 8 sampling requests (8 rows each, 16 rows per batch) is
+    queued while its first batch runs; tenant 1's request (another kind: it cannot join)
+    arrives last. Fair: it runs in the very next batch. FIFO (the negative control): after
+    the whole backlog."""
+    e, ran, started, release = held_engine(tmp_path, schedule, max_rows=16)
+    e.start()
+    free(e, 2, "b0", "sample", 8)
+    assert started.wait(10)
+    for k in range(1, 9):
+        free(e, 2, f"b{k}", "sample", 8)
+    free(e, 1, "a", "forward")
+    release.set()
+    settle(e)
+    e.stop(5)
+    assert ran[0] == ["b0"]
+    assert all(sum(8 for op in batch if op.startswith("b")) <= 16 for batch in ran)
+    position = next(i for i, batch in enumerate(ran) if "a" in batch)
+    assert position == (1 if schedule == "fair" else len(ran) - 1), ran
+    assert schedule == "fifo" or position == 1
+    assert [op for batch in ran for op in batch if op != "a"] == [f"b{k}" for k in range(9)]
+
+
+def test_requests_that_join_are_taken_one_per_tenant_at_a_time_within_the_row_bound(tmp_path):
+    """Tenant 2 queued 6 requests before tenants 1 and 3 queued 2 each: the next batch of
+    6 rows takes the first of every tenant (longest unserved first), then the second of
+    each; a request larger than the bound runs alone."""
+    e, ran, started, release = held_engine(tmp_path, "fair", max_rows=6)
+    e.start()
+    free(e, 9, "hold", "x")
+    assert started.wait(10)
+    for k in range(6):
+        free(e, 2, f"b{k}", "sample")
+    for tenant, name in ((1, "a"), (3, "c")):
+        for k in range(2):
+            free(e, tenant, f"{name}{k}", "sample")
+    free(e, 3, "huge", "sample", 7)
+    release.set()
+    settle(e)
+    e.stop(5)
+    assert ran[1] == ["b0", "a0", "c0", "b1", "a1", "c1"], ran
+    assert ["huge"] in ran
+    assert all(len(batch) <= 6 for batch in ran)
+    assert sorted(op for batch in ran for op in batch) == sorted(
+        ["hold", "huge", *(f"b{k}" for k in range(6)), "a0", "a1", "c0", "c1"]
+    )
+
+
+def test_the_models_of_one_tenant_take_turns(tmp_path):
+    """One tenant's two models with 3 queued requests each alternate, and a second
+    tenant's model, queued last, runs second: neither model's backlog starves the rest."""
+    e, ran, started, release = held_engine(tmp_path, "fair")
+    m1, m2 = add(e, "m1"), add(e, "m2")
+    other = Model("o", 2, "s", status=ModelStatus.READY, next_seq=1)
+    e.add_model(other)
+    e.start()
+    free(e, 9, "hold", "x")
+    assert started.wait(10)
+    order: list[str] = []
+
+    def op(name: str) -> Op:
+        return Op(name, None, run=lambda: order.append(name))
+
+    for seq in (1, 2, 3):
+        for m in (m1, m2):
+            e.submit(1, m, seq, f"{m.id}.{seq}", lambda n=f"{m.id}.{seq}": op(n))
+    e.submit(2, other, 1, "o.1", lambda: op("o.1"))
+    release.set()
+    settle(e)
+    e.stop(5)
+    assert order == ["m1.1", "o.1", "m2.1", "m1.2", "m2.2", "m1.3", "m2.3"], order

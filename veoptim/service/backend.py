@@ -49,6 +49,10 @@ class Batch:
     def __init__(self, model: Model, loss: Loss, forward_only: bool, data: list[Datum]) -> None:
         self.model, self.loss, self.forward_only, self.data = model, loss, forward_only, data
 
+    @property
+    def rows(self) -> int:
+        return len(self.data)
+
     def joins(self, other: Any) -> bool:
         return (
             isinstance(other, Batch) and other.loss == self.loss and other.model.id != self.model.id

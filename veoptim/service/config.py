@@ -8,6 +8,9 @@ from veoptim.config.schema import opt
 from veoptim.errors import ConfigError
 from veoptim.lora.slots.config import MultiLoRAConfig
 
+#: serve.schedule: the orders of queued work across tenants (veoptim.service.engine).
+SCHEDULES = ("fair", "fifo")
+
 
 @dataclass
 class ServeSection:
@@ -36,6 +39,23 @@ class ServeSection:
     )
     batch_tenants: bool = opt(
         True, "Run queued forward_backward requests of several models as one slot batch."
+    )
+    schedule: str = opt(
+        "fair",
+        "Order of queued work across tenants: fair (tenants take turns, each batch starts "
+        "with the tenant served longest ago and others join one request per tenant at a "
+        "time) or fifo (arrival order).",
+    )
+    max_batch_rows: int = opt(
+        64,
+        "Most rows (datums of forward_backward requests, samples of sampling requests) one "
+        "batch holds; a single larger request runs alone.",
+    )
+    threads: int = opt(
+        0,
+        "torch intra-op threads of the server (each rank under torchrun); 0 = auto: "
+        "OMP_NUM_THREADS if set, else the usable cores per rank less one (at least 1), "
+        "leaving a core to the HTTP loop and clients.",
     )
     max_request_bytes: int = opt(64_000_000, "Largest request body accepted (bytes).")
     max_datums: int = opt(1024, "Most datums in one forward_backward request.")
@@ -67,7 +87,13 @@ class ServeConfig(MultiLoRAConfig):
         for key in ("session_timeout_s", "seq_gap_timeout_s", "drain_timeout_s", "rank_timeout_s"):
             if getattr(s, key) <= 0:
                 raise ConfigError(f"serve.{key} must be > 0, got {getattr(s, key)}.")
-        for key in ("max_request_bytes", "max_datums", "max_futures_per_tenant"):
+        if s.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"serve.schedule must be one of {', '.join(SCHEDULES)}, got {s.schedule!r}."
+            )
+        if s.threads < 0:
+            raise ConfigError(f"serve.threads must be >= 0 (0 = auto), got {s.threads}.")
+        for key in ("max_request_bytes", "max_datums", "max_futures_per_tenant", "max_batch_rows"):
             if getattr(s, key) < 1:
                 raise ConfigError(f"serve.{key} must be >= 1, got {getattr(s, key)}.")
         if self.lora.num_slots < 1:

@@ -14,6 +14,16 @@ requests of one loss at the head of several models' queues as one slot batch
 (:meth:`Backend.forward_backward`; a forward trains nothing), and the waiting ``asample``
 requests (outside any model's order) as one sampling batch. :meth:`Engine.submit`
 validates a request outside the engine's lock, its ``seq_id`` reserved meanwhile.
+
+Which request runs next is the scheduler's choice (``serve.schedule``). ``fair`` (the
+default) takes turns: the next batch starts with the runnable request of the tenant served
+longest ago (then of that tenant's model, or its unordered requests, served longest ago),
+and the requests that join it are taken one per tenant in the same order, then a second
+per tenant, and so on, while the batch holds at most ``serve.max_batch_rows`` rows (datums
+or samples; a single larger request runs alone). A tenant's small request therefore waits
+for at most the batch that is running when it arrives, whatever another tenant has queued.
+``fifo`` runs the earliest-arrived request first (the order before fairness; kept for
+comparisons).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from veoptim.service.config import SCHEDULES
 from veoptim.service.db import ModelStatus
 from veoptim.service.errors import SERVER, USER, NotFound, ServiceError, Unavailable, describe
 from veoptim.service.futures import Future, FutureTable
@@ -32,8 +43,6 @@ from veoptim.service.futures import Future, FutureTable
 log = logging.getLogger("veoptim.service")
 #: A request may run at most this many seq_ids ahead of its model's next one.
 MAX_AHEAD = 4096
-#: At most this many requests outside any model's order (sampling) run as one batch.
-MAX_FREE_BATCH = 32
 #: How long a retried submission waits for the first one's validation to end.
 RETRY_WAIT_S = 30.0
 DRAINING = (
@@ -50,6 +59,25 @@ class Op:
     #: forward_backward: the prepared batch part (Backend.forward_backward runs lists of them).
     batch: Any = None
     arrival: float = field(default_factory=time.monotonic)
+    tenant_id: int = -1  # set by Engine.submit
+
+    @property
+    def rows(self) -> int:
+        """The rows this request adds to a batch (a batch part's ``rows``; otherwise 1)."""
+        return int(getattr(self.batch, "rows", 1))
+
+
+@dataclass
+class Head:
+    """A request the worker may run now, and the queue it heads: a model's (``model``) or
+    its tenant's requests outside any order (``model`` None)."""
+
+    op: Op
+    model: Model | None
+
+    @property
+    def queue(self) -> tuple[int, str]:
+        return (self.op.tenant_id, self.model.id if self.model is not None else "")
 
 
 @dataclass
@@ -73,11 +101,18 @@ class Model:
 
 class Engine:
     def __init__(self, futures: FutureTable, *, batch_tenants: bool, gap_timeout_s: float,
-                 run_batch: Callable[[list[Op]], list[Any]]) -> None:  # fmt: skip
+                 run_batch: Callable[[list[Op]], list[Any]], schedule: str = "fair",
+                 max_batch_rows: int = 64) -> None:  # fmt: skip
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.futures, self.batch_tenants, self.gap_timeout_s = futures, batch_tenants, gap_timeout_s
+        self.schedule, self.max_batch_rows = schedule, max_batch_rows
         self._run_batch = run_batch
         self.models: dict[str, Model] = {}
         self._free: list[Op] = []  # requests outside any model's order, in arrival order
+        #: The batch count when a tenant (int) or a queue ((tenant, model id)) was last served.
+        self._served: dict[Any, int] = {}
+        self._batches = 0
         self._cond = threading.Condition()
         self._stopping = False
         self._deadline = float("inf")
@@ -110,6 +145,7 @@ class Engine:
         with self._cond:
             if self.models.get(model.id) is model:
                 del self.models[model.id]
+                self._served.pop((model.tenant_id, model.id), None)
             waiting = [op for op in model.queue.values() if op.future is not None]
             model.queue.clear()
         for op in waiting:
@@ -128,6 +164,7 @@ class Engine:
         if model is None or seq_id is None:
             self.check_open()
             op = prepare()
+            op.tenant_id = tenant_id
             op.future = self.futures.create(tenant_id, model.id if model else None, kind)
             with self._cond:
                 self._free.append(op)
@@ -139,9 +176,10 @@ class Engine:
             if retried is not None:
                 return retried
             runnable = seq_id == model.next_seq
-        op = Op(kind, None)
+        op = Op(kind, None, tenant_id=tenant_id)
         try:
             op = prepare()
+            op.tenant_id = tenant_id
             op.future = self.futures.create(tenant_id, model.id, kind, limited=not runnable)
         finally:  # a refused request still uses its seq_id: the next one does not wait
             with self._cond:
@@ -168,7 +206,7 @@ class Engine:
             except ServiceError:
                 return
             model.reserved.pop(seq_id, None)
-            self._enqueue(model, seq_id, Op(kind, None), "")
+            self._enqueue(model, seq_id, Op(kind, None, tenant_id=tenant_id), "")
             self._cond.notify_all()
 
     def _reserve(self, model: Model, seq_id: int, key: str) -> Future | None:
@@ -206,10 +244,37 @@ class Engine:
 
     # ------------------------------------------------------------------ worker
     def _take(self) -> list[Op]:
-        """The next ops to run (under the lock): the earliest-arrived runnable op, plus, for
-        a batchable forward_backward, the batchable heads of other models' queues."""
+        """The next ops to run (under the lock): the first runnable op in the schedule's
+        order, plus, for a batchable one, the runnable ops that join it (heads of other
+        models' queues, unordered requests), in the same order, within the row bound."""
+        candidates = self._runnable()
+        if not candidates:
+            return []
+        first = candidates[0]
+        chosen, rows = [first], first.op.rows
+        if first.op.batch is not None and self.batch_tenants:
+            for head in candidates[1:]:
+                joins = head.op.batch is not None and first.op.batch.joins(head.op.batch)
+                if joins and rows + head.op.rows <= self.max_batch_rows:
+                    chosen.append(head)
+                    rows += head.op.rows
+        self._batches += 1
+        for head in chosen:
+            self._served[head.op.tenant_id] = self._served[head.queue] = self._batches
+            if head.model is None:
+                self._free.remove(head.op)
+            else:
+                del head.model.queue[head.model.next_seq]
+                head.model.next_seq += 1
+        return [head.op for head in chosen]
+
+    def _runnable(self) -> list[Head]:
+        """Every op that may run now, in the schedule's order: ``fifo`` by arrival;
+        ``fair`` the first of each tenant (the tenant served longest ago first), then the
+        second of each, and so on; a tenant's own in the order its queues (each model, its
+        unordered requests) were last served, then by arrival."""
         now = time.monotonic()
-        heads: list[tuple[Op, Model | None]] = [(op, None) for op in self._free[:1]]
+        heads = [Head(op, None) for op in self._free]
         for model in self.models.values():
             while model.next_seq in model.queue and model.queue[model.next_seq].future is None:
                 del model.queue[model.next_seq]  # a refused request: its seq_id is used up
@@ -218,31 +283,21 @@ class Engine:
                 continue
             head = model.queue.get(model.next_seq)
             if head is not None:
-                heads.append((head, model))
+                heads.append(Head(head, model))
             elif now - min(op.arrival for op in model.queue.values()) > self.gap_timeout_s:
                 self._fail_gap(model)
-        if not heads:
-            return []
-        first, owner = min(heads, key=lambda h: h[0].arrival)
-        chosen = [(first, owner)]
-        if first.batch is not None and self.batch_tenants:
-            chosen += [
-                (op, m)
-                for op, m in heads
-                if op is not first and m is not None and first.batch.joins(op.batch)
-            ]
-            chosen += [  # requests outside any order (sampling) that join it
-                (op, None)
-                for op in self._free[:MAX_FREE_BATCH]
-                if op is not first and op.batch is not None and first.batch.joins(op.batch)
-            ]
-        for op, model in chosen:
-            if model is None:
-                self._free.remove(op)
-            else:
-                del model.queue[model.next_seq]
-                model.next_seq += 1
-        return [op for op, _ in chosen]
+        if self.schedule == "fifo":
+            return sorted(heads, key=lambda h: h.op.arrival)
+        by_tenant: dict[int, list[Head]] = {}
+        for head in heads:
+            by_tenant.setdefault(head.op.tenant_id, []).append(head)
+        ranked = []
+        for tenant, own in by_tenant.items():
+            own.sort(key=lambda h: (self._served.get(h.queue, -1), h.op.arrival))
+            ranked += [((nth, self._served.get(tenant, -1), h.op.arrival), h)
+                       for nth, h in enumerate(own)]  # fmt: skip
+        ranked.sort(key=lambda r: r[0])
+        return [r[-1] for r in ranked]
 
     def _fail_gap(self, model: Model) -> None:
         missing = model.next_seq

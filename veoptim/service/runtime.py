@@ -60,7 +60,9 @@ class Service:
         self.redact = Redactor([run_dir, cfg.checkpoint.root_dir(run_dir)])
         self.futures = FutureTable(self.db, cfg.serve.max_futures_per_tenant, self.redact)
         self.engine = Engine(self.futures, batch_tenants=cfg.serve.batch_tenants,
-                             gap_timeout_s=cfg.serve.seq_gap_timeout_s, run_batch=self.run_batch)  # fmt: skip
+                             gap_timeout_s=cfg.serve.seq_gap_timeout_s, run_batch=self.run_batch,
+                             schedule=cfg.serve.schedule,
+                             max_batch_rows=cfg.serve.max_batch_rows)  # fmt: skip
         self.slots = Slots(served)
         self.base = ServedModel.of(cfg, served.trainer)
         metrics = MetricsLog(run_dir / "metrics.jsonl")

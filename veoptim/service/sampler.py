@@ -41,8 +41,6 @@ from veoptim.service.wire import encode_sample_response
 
 log = logging.getLogger("veoptim.service")
 MAX_SAMPLES = 64
-#: Requests whose rows one sampling batch holds at most.
-MAX_BATCH_ROWS = 64
 UNSUPPORTED = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
 
 
@@ -69,6 +67,10 @@ class SampleBatch:
 
     def __init__(self, request: SampleRequest) -> None:
         self.request = request
+
+    @property
+    def rows(self) -> int:
+        return self.request.num_samples
 
     @property
     def base(self) -> bool:
