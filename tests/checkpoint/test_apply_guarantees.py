@@ -35,6 +35,8 @@ from veoptim.checkpoint.versions import MANIFEST_FILE
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 from veoptim.state import LR_SCHEDULER, MODEL
 
+pytestmark = pytest.mark.slow
+
 FROZEN = "model.norm.weight"
 
 

@@ -29,6 +29,8 @@ from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.publish import LOAD_PHASES, SAVE_PHASES
 from veoptim.errors import CheckpointError
 
+pytestmark = pytest.mark.slow
+
 #: phase -> the rank that fails there. gather/writer run before DCP's own collectives: a
 #: failure there must not leave the other rank waiting inside dcp.save.
 SAVE_FAULTS = {"gather": 1, "writer": 1, "write": 1, "before_manifest": 0, "before_replace": 0}

@@ -29,6 +29,8 @@ from veoptim.checkpoint.versions import latest_complete, published_names, resolv
 from veoptim.errors import CheckpointError
 from veoptim.lora.slots.store import SlotStore
 
+pytestmark = pytest.mark.slow
+
 HELPERS = Path(__file__).parent / "helpers"
 WRITER = HELPERS / "crash_writer.py"
 SLOT_CHILD = "tests.checkpoint.helpers.slot_crash_child"

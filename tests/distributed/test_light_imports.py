@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 HEAVY = ("torch", "torch.distributed.fsdp", "torch.distributed.tensor", "veoptim.distributed.plan")
 
 
