@@ -33,7 +33,7 @@ forkserver.set_start_environment(os.environ)
 SHARED_SETUP = {
     "checkpoint/test_reshard.py": "resume campaign",
     "checkpoint/test_resume_equivalence.py": "resume campaign",
-    "checkpoint/test_agreement.py": "multirank publication",
+    "distributed/test_agreement.py": "multirank publication",
     "checkpoint/test_publish_multirank.py": "multirank publication",
 }
 
