@@ -7,6 +7,11 @@
   and the fault phases);
 * ``storage/``: the DCP storage behind them (raw format, reader, writer, prefault,
   read-ahead, durability), entered only through its package's functions.
+
+The door: ``Checkpointer`` (save, resolve, restore, load) and the component contract it
+takes (``StateComponent``, ``ComponentState``, ``SavedComponent``, ``Staged``,
+``TensorSpec``). Those need torch and are imported on first use (PEP 562), so the
+versioned store's publication and readers below still start without torch.
 """
 
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
@@ -21,8 +26,25 @@ from veoptim.checkpoint.versions import (
     step_name,
     validate_name,
 )
+from veoptim.lazy import lazy_names
+
+#: Public name -> submodule that defines it (imported on first use: they import torch).
+_EXPORTS: dict[str, str] = {
+    "Checkpointer": "checkpointer",
+    "ComponentState": "component",
+    "SavedComponent": "component",
+    "Staged": "component",
+    "StateComponent": "component",
+    "TensorSpec": "component",
+}
 
 __all__ = [
+    "Checkpointer",
+    "ComponentState",
+    "SavedComponent",
+    "Staged",
+    "StateComponent",
+    "TensorSpec",
     "PendingVersion",
     "Published",
     "Publisher",
@@ -36,3 +58,5 @@ __all__ = [
     "step_name",
     "validate_name",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
