@@ -8,9 +8,10 @@
 * ``storage/``: the DCP storage behind them (raw format, reader, writer, prefault,
   read-ahead, durability), entered only through its package's functions.
 
-The door: ``Checkpointer`` (save, resolve, restore, load) and the component contract it
+The door: ``Checkpointer`` (save, resolve, restore, load), the component contract it
 takes (``StateComponent``, ``ComponentState``, ``SavedComponent``, ``Staged``,
-``TensorSpec``). Those need torch and are imported on first use (PEP 562), so the
+``TensorSpec``) and the reader of what a version holds (``read_info``, a
+``CheckpointInfo``). Those need torch and are imported on first use (PEP 562), so the
 versioned store's publication and readers below still start without torch.
 """
 
@@ -31,20 +32,24 @@ from veoptim.lazy import lazy_names
 #: Public name -> submodule that defines it (imported on first use: they import torch).
 _EXPORTS: dict[str, str] = {
     "Checkpointer": "checkpointer",
+    "CheckpointInfo": "component",
     "ComponentState": "component",
     "SavedComponent": "component",
     "Staged": "component",
     "StateComponent": "component",
     "TensorSpec": "component",
+    "read_info": "component",
 }
 
 __all__ = [
+    "CheckpointInfo",
     "Checkpointer",
     "ComponentState",
     "SavedComponent",
     "Staged",
     "StateComponent",
     "TensorSpec",
+    "read_info",
     "PendingVersion",
     "Published",
     "Publisher",
