@@ -26,7 +26,7 @@ from tests.checkpoint.ckpt_state import (
 from tests.distributed.spawn import run_ranks
 from veoptim.checkpoint import latest_complete, step_name
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.publish import LOAD_PHASES, SAVE_PHASES
+from veoptim.checkpoint.faults import LOAD_PHASES, SAVE_PHASES
 from veoptim.errors import CheckpointError
 
 pytestmark = pytest.mark.slow

@@ -3,8 +3,8 @@
 * ``component.py`` + ``checkpointer.py``: the component contract, the ``checkpoint.json``
   that records it, validation and inventories, and the ``Checkpointer`` (save, restore);
 * ``versions.py`` + ``publish.py``: the versioned-directory store that checkpoints,
-  exports and slots share (names, versions, manifests, readers; publication, retention
-  and the fault phases);
+  exports and slots share (names, versions, manifests, readers; publication and
+  retention), with ``faults.py`` naming the points where tests inject faults;
 * ``storage/``: the DCP storage behind them (raw format, reader, writer, prefault,
   read-ahead, durability), entered only through its package's functions.
 

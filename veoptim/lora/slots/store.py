@@ -21,7 +21,8 @@ from typing import Any
 
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import StateComponent, read_info
-from veoptim.checkpoint.publish import FaultHook, Published, remove_root
+from veoptim.checkpoint.faults import FaultHook
+from veoptim.checkpoint.publish import Published, remove_root
 from veoptim.checkpoint.versions import (
     is_within,
     newest_complete,
