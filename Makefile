@@ -2,7 +2,8 @@
 #   make demo   - set up, then a short SFT run of the bundled tiny model on CPU and its
 #                 greedy answers to held-out prompts
 #   make test   - set up, then lint and the whole test suite on CPU
-#   make test-fast - the inner loop: lint and the tests that start no process (a few minutes)
+#   make test-fast - the inner loop: lint and the tests outside the slow tier (a few minutes;
+#                    README.md says which of them still start a process)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

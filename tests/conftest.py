@@ -28,92 +28,12 @@ if "torch" in sys.modules:  # imported before this file (a plugin): apply it the
 # first needs it (tests/forkserver.py).
 forkserver.set_start_environment(os.environ)
 
-#: The slow tier: modules that start processes (spawned gloo ranks, task commands, torchrun,
-#: the service and its SDK clients, wheel builds). ``make test-fast`` leaves them out;
-#: ``make test`` runs everything.
-SLOW_MODULES = (
-    "checkpoint/test_agreement.py",
-    "checkpoint/test_apply_guarantees.py",
-    "checkpoint/test_async_save.py",
-    "checkpoint/test_checkpoint_agreement.py",
-    "checkpoint/test_crash.py",
-    "checkpoint/storage/test_prefetch.py",
-    "checkpoint/test_publish_faults.py",
-    "checkpoint/test_publish_multirank.py",
-    "checkpoint/test_publish_readers.py",
-    "checkpoint/storage/test_raw_storage_multirank.py",
-    "checkpoint/test_teardown_after_faults.py",
-    "config/test_dry_run.py",
-    "config/test_startup_checks.py",
-    "config/test_warmup_overrides.py",
-    "data/test_chat_template_runs.py",
-    "data/test_hf_datasets.py",
-    "data/test_hf_datasets_runs.py",
-    "data/test_jsonl_layouts.py",
-    "distributed/test_device.py",
-    "distributed/test_light_imports.py",
-    "distributed/test_multirank.py",
-    "distributed/test_npu_path.py",
-    "distributed/test_rank0_decisions.py",
-    "distributed/test_sharded_load.py",
-    "distributed/test_spawn.py",
-    "distributed/test_torchrun_sft.py",
-    "distributed/test_trainer_normaliser.py",
-    "export/test_export_cli.py",
-    "export/test_generate.py",
-    "lora/slots/test_slot_concurrency.py",
-    "lora/slots/test_slot_multirank.py",
-    "lora/test_base_content.py",
-    "lora/test_lora_multirank_export.py",
-    "lora/test_lora_training.py",
-    "lora/test_multi_lora_task.py",
-    "lora/test_qlora_exports.py",
-    "lora/test_qlora_multirank.py",
-    "models/test_activation_checkpointing.py",
-    "models/test_compile.py",
-    "models/test_grouped_experts.py",
-    "objectives/test_dpo_runs.py",
-    "optim/test_bench_optimizer_step.py",
-    "optim/test_exactness.py",
-    "optim/test_fsdp_dcp.py",
-    "optim/test_native_kernel.py",
-    "recipes/test_recipe_configs.py",
-    "recipes/test_recipe_smoke.py",
-    "rundir/test_writers.py",
-    "scripts/test_peer_trl.py",
-    "scripts/test_sweep_report.py",
-    "scripts/test_trace_checkpoint.py",
-    "service/test_cookbook.py",
-    "service/test_isolation.py",
-    "service/test_keys.py",
-    "service/test_math_rl.py",
-    "service/test_ranks.py",
-    "service/test_torchrun.py",
-    "tasks/test_cli.py",
-    "tasks/test_override_errors.py",
-    "tasks/test_run_dirs.py",
-    "tasks/test_own_configs.py",
-    "tasks/test_serve.py",
-    "tasks/test_sft_run.py",
-    "test_conftest.py",
-    "test_docs_walkthrough.py",
-    "test_forkserver.py",
-    "test_log_format.py",
-    "test_packaging.py",
-    "trainer/test_eval_ranks.py",
-    "trainer/test_own_model.py",
-    "trainer/test_preemption.py",
-    "trainer/test_preemption_ranks.py",
-    "trainer/test_resume_hints.py",
-)
-
-
 #: Modules that share one costly setup through the session (a cache or the session's temp
 #: dir): ``make test``'s parallel run gives them to one worker, so the setup runs once.
 SHARED_SETUP = {
     "checkpoint/test_reshard.py": "resume campaign",
     "checkpoint/test_resume_equivalence.py": "resume campaign",
-    "checkpoint/test_agreement.py": "multirank publication",
+    "distributed/test_agreement.py": "multirank publication",
     "checkpoint/test_publish_multirank.py": "multirank publication",
 }
 
@@ -123,22 +43,27 @@ FIRST = "test_docs_walkthrough.py"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the tests of :data:`SLOW_MODULES` ``slow``; a listed module that no longer
-    exists is an error, so a rename cannot move a slow module into the fast tier unseen.
-
-    The slow tier is queued first, :data:`FIRST` at its head (the order within each tier
+    """Queue the slow tier first, :data:`FIRST` at its head (the order within each tier
     unchanged), so that in ``make test``'s parallel run the long modules start early and
     the short ones fill in at the end.
+
+    A module declares its tier itself: ``pytestmark = pytest.mark.slow`` (or ``slow`` in its
+    ``pytestmark`` list) puts it in the slow tier, which ``make test-fast`` leaves out. A
+    module of :data:`SHARED_SETUP` that no longer exists is an error, so a rename cannot
+    split a shared setup unseen.
     """
-    missing = [m for m in [*SLOW_MODULES, *SHARED_SETUP] if not (REPO / "tests" / m).is_file()]
+    missing = [m for m in SHARED_SETUP if not (REPO / "tests" / m).is_file()]
     if missing:
         raise pytest.UsageError(f"tests/conftest.py lists missing test files: {missing}")
-    slow = {REPO / "tests" / m for m in SLOW_MODULES}
-    for item in items:
-        if item.path in slow:
-            item.add_marker(pytest.mark.slow)
     first = REPO / "tests" / FIRST
-    items.sort(key=lambda item: (item.path != first, item.path not in slow))
+    items.sort(key=lambda item: (item.path != first, not declared_slow(item)))
+
+
+def declared_slow(item: pytest.Item) -> bool:
+    """Whether the module of ``item`` declares the slow tier (its ``pytestmark``): the
+    whole module goes with it, so a module's tests stay together."""
+    module = item.getparent(pytest.Module)
+    return module is not None and any(m.name == "slow" for m in module.iter_markers())
 
 
 @pytest.hookimpl(optionalhook=True)

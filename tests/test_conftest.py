@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import FIRST, REPO, SHARED_SETUP, SLOW_MODULES, work_unit
+import pytest
+
+from tests.conftest import FIRST, REPO, SHARED_SETUP, work_unit
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_module_is_one_unit_and_modules_sharing_a_setup_are_one():
@@ -21,23 +25,36 @@ def test_a_module_is_one_unit_and_modules_sharing_a_setup_are_one():
 
 #: Given fast first and the walkthrough last, so that the order collected is the conftest's.
 COLLECTED = ("test_import_rules.py", "test_packaging.py", "test_conftest.py", FIRST)
+#: Those of :data:`COLLECTED` that declare the slow tier in their ``pytestmark``.
+SLOW = {"test_packaging.py", "test_conftest.py", FIRST}
 
 
-def test_the_slow_tier_is_collected_first_with_the_walkthrough_at_its_head():
+def collected_modules(*args: str) -> list[str]:
+    """The modules of :data:`COLLECTED` that ``pytest --collect-only ARGS`` collects, in its
+    order, one entry per test."""
     paths = [f"tests/{m}" for m in COLLECTED]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         *args, *paths],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    modules = [line.split("::", 1)[0] for line in proc.stdout.splitlines() if "::" in line]
-    order = list(dict.fromkeys(m.removeprefix("tests/") for m in modules))
+    )  # fmt: skip
+    assert proc.returncode in (0, 5), proc.stderr[-2000:]  # 5: every test deselected
+    lines = proc.stdout.splitlines()
+    return [line.split("::", 1)[0].removeprefix("tests/") for line in lines if "::" in line]
+
+
+def test_the_slow_tier_is_collected_first_with_the_walkthrough_at_its_head():
+    modules = collected_modules()
+    order = list(dict.fromkeys(modules))
     assert sorted(order) == sorted(COLLECTED)
     assert order[0] == FIRST
-    slow = [m in SLOW_MODULES for m in order]
+    declared = set(collected_modules("-m", "slow"))
+    assert declared == SLOW  # the tier each module declares, and only those
+    assert set(collected_modules("-m", "not slow")) == set(COLLECTED) - SLOW
+    slow = [m in declared for m in order]
     assert slow == sorted(slow, reverse=True)  # every slow module before every fast one
     assert len(order) == len(set(modules))  # each module's tests stay together
 

@@ -33,6 +33,8 @@ import pytest
 
 from tests import forkserver
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/getting_started.md")
 REF = os.environ.get("VEOPTIM_WALKTHROUGH_REF", "HEAD")

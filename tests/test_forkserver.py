@@ -15,8 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests import forkserver
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
 
 PROBE = """
 import atexit, json, os, sys, threading, time

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -24,6 +25,8 @@ from tasks.compose import CONFIG_DIR
 from tests import forkserver
 from tests.conftest import REPO
 from veoptim.distributed import DistContext, setup_logging
+
+pytestmark = pytest.mark.slow
 
 LINE = re.compile(
     r"(\[rank\d+\] )?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+: .*"

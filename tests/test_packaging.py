@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 #: What the build reads (pyproject's packages and readme).
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "veoptim", "tasks", "callbacks", "configs")

@@ -30,10 +30,12 @@ from tests.conftest import REPO
 from veoptim.checkpoint import Publisher, latest_complete, resolve
 from veoptim.checkpoint import component as C
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.publish import PHASE_AFTER_REPLACE
+from veoptim.checkpoint.faults import PHASE_AFTER_REPLACE
 from veoptim.checkpoint.versions import MANIFEST_FILE
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 from veoptim.state import LR_SCHEDULER, MODEL
+
+pytestmark = pytest.mark.slow
 
 FROZEN = "model.norm.weight"
 

@@ -18,7 +18,7 @@ from tests.checkpoint.helpers.async_worker import MAX_STEPS, SAVE_STEPS, run
 from tests.distributed.spawn import RESULT_FILE, run_ranks
 from veoptim.checkpoint import step_name
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 WORLDS = {
     "1proc": (1, ["model=tiny_dense", "parallel=single", "optim=full_fp32_adamw", "model.dtype=bf16"]),

@@ -26,8 +26,10 @@ from tests.checkpoint.ckpt_state import (
 from tests.distributed.spawn import run_ranks
 from veoptim.checkpoint import latest_complete, step_name
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.publish import LOAD_PHASES, SAVE_PHASES
+from veoptim.checkpoint.faults import LOAD_PHASES, SAVE_PHASES
 from veoptim.errors import CheckpointError
+
+pytestmark = pytest.mark.slow
 
 #: phase -> the rank that fails there. gather/writer run before DCP's own collectives: a
 #: failure there must not leave the other rank waiting inside dcp.save.

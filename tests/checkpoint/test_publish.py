@@ -12,7 +12,8 @@ import pytest
 
 from tests.checkpoint.helpers.payload import check_payload, write_payload
 from veoptim.checkpoint import versions as layout
-from veoptim.checkpoint.publish import PHASE_RETENTION, Publisher
+from veoptim.checkpoint.faults import PHASE_RETENTION
+from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.versions import (
     CHECKSUM_MAX_BYTES,
     is_within,

@@ -21,6 +21,8 @@ from veoptim.checkpoint import versions as layout
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.versions import resolve
 
+pytestmark = pytest.mark.slow
+
 FAULT_WRITER = Path(__file__).parent / "helpers" / "fault_writer.py"
 
 

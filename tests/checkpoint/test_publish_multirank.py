@@ -8,7 +8,7 @@ import pytest
 
 from tests.checkpoint.helpers.multirank import results
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 FAILURES = ["fail_write", "fail_prepared", "fail_written", "fail_before_replace", "fail_async"]
 
 

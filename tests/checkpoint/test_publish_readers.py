@@ -15,6 +15,8 @@ from tests.checkpoint.helpers.payload import check_payload, write_payload
 from veoptim.checkpoint import step_name, versions
 from veoptim.checkpoint.publish import Publisher
 
+pytestmark = pytest.mark.slow
+
 HELPERS = Path(__file__).parent / "helpers"
 SAVES = 30
 

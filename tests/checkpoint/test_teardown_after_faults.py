@@ -25,7 +25,7 @@ from veoptim.checkpoint.checkpointer import Checkpointer
 FSDP = ["parallel=fsdp", "parallel.param_dtype=fp32"]
 SCENARIOS = [f"save:{p}" for p in SAVE_FAULTS] + [f"load:{p}" for p in LOAD_FAULTS]
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 
 def _survive_one_fault(ctx, out: Path, scenario: str) -> dict:

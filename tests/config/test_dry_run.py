@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tasks.usage import render_help
 from tests.conftest import run_sft_cli
 from veoptim.objectives import SFTConfig
+
+pytestmark = pytest.mark.slow
 
 
 def test_dry_run_prints_the_plan_and_writes_no_checkpoint(tmp_path):

@@ -12,6 +12,8 @@ from veoptim.distributed import init_distributed
 from veoptim.errors import ConfigError
 from veoptim.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 
 def test_plus_added_unknown_key_is_rejected_with_the_closest_known_key():
     """Hydra suggests '+optim.lrr=...' after a typo; the value must not be dropped silently."""

@@ -15,6 +15,8 @@ from tasks.compose import CONFIG_DIR, load_config
 from tests.conftest import run_sft_cli
 from veoptim.errors import ConfigError
 
+pytestmark = pytest.mark.slow
+
 PRESETS = sorted(p.stem for p in (CONFIG_DIR / "scheduler").glob("*.yaml"))
 
 

@@ -14,6 +14,8 @@ from tests.data.test_chat_templates import CHAT, FAMILY_TOKENS, RENDERED
 from veoptim.data import bundled_tokenizer_dir
 from veoptim.export.generate import encode, load_model
 
+pytestmark = pytest.mark.slow
+
 RUN = ["run.device=cpu", "train.max_steps=2", "train.global_batch_size=4",
        "train.micro_batch_size=4", "scheduler.warmup_steps=1", "logging.progress=false",
        "checkpoint.fsync=false", "data.chat_template=chatml"]  # fmt: skip

@@ -26,6 +26,8 @@ from veoptim.data.pairs import load_pair_dataset
 from veoptim.data.sources import ReadOptions
 from veoptim.errors import ConfigError, DataError
 
+pytestmark = pytest.mark.slow
+
 MAX_LEN = 128
 
 

@@ -13,6 +13,8 @@ import yaml
 from tests.conftest import run_sft_cli
 from tests.data.test_hf_datasets import ALPACA, SHAREGPT
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 
 

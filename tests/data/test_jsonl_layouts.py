@@ -24,6 +24,8 @@ from tests.data.test_hf_datasets import (
 from veoptim.data.layouts import LAYOUTS
 from veoptim.errors import DataError
 
+pytestmark = pytest.mark.slow
+
 PROMPT_COMPLETION = [
     {"prompt": "What is 2+3?", "completion": "5"},
     {"prompt": "Reverse snow", "completion": "wons"},

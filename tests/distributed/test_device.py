@@ -22,6 +22,8 @@ from veoptim.distributed import (
 from veoptim.distributed.device import accelerator, device_module
 from veoptim.errors import ConfigError, DistributedError
 
+pytestmark = pytest.mark.slow
+
 
 def test_cpu_device_resolves_to_cpu():
     assert resolve_device("cpu") == torch.device("cpu")

@@ -22,6 +22,8 @@ from tests.distributed.suites import four_rank_suite, two_rank_suite
 from tests.distributed.workers import DCP_DIR, FULL_STATE_FILE, VOCAB, model_config
 from veoptim.models.build import build_model
 
+pytestmark = pytest.mark.slow
+
 LOSS_TOL = 2e-5
 GRAD_REL_TOL = 1e-5
 BF16_LOSS_TOL = 2e-2

@@ -25,6 +25,8 @@ import pytest
 
 from tests.distributed.fake_npu import FAKE_NPU_ENV
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SUITES = ("tests/distributed/npu_fake_suite.py", "tests/optim/npu_offload_suite.py")
 AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"

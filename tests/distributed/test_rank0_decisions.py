@@ -26,7 +26,7 @@ from veoptim.distributed import DistContext
 from veoptim.distributed.agreement import on_rank0
 from veoptim.errors import CheckpointError, SlotError
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 LORA = ["lora.enabled=true", "lora.r=4", "parallel=fsdp"]
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.distributed.spawn import run_ranks
 
+pytestmark = pytest.mark.slow
+
 
 def _environment(ctx, out: Path) -> dict:
     return {"marker": os.environ.get("VEOPTIM_TEST_MARKER"), "rank": ctx.rank}

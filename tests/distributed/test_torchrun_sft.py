@@ -18,6 +18,8 @@ import pytest
 from tasks.runner import run_task
 from tests.conftest import REPO, compose_sft
 
+pytestmark = pytest.mark.slow
+
 TOL = 2e-5
 COMMON = [
     "run.device=cpu",

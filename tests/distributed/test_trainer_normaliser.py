@@ -28,7 +28,7 @@ from tests.distributed.spawn import run_ranks
 from veoptim.distributed import DistContext
 from veoptim.trainer import Trainer
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 OVERRIDES = ["model.dtype=fp32", "parallel.param_dtype=fp32", "checkpoint.fsync=false"]
 LOSS_TOL = 2e-5

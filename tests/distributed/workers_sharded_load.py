@@ -1,4 +1,4 @@
-"""Rank bodies of tests/distributed/test_sharded_load.py: a model.path loaded both ways
+"""Rank bodies of tests/models/test_sharded_load.py: a model.path loaded both ways
 (each rank from the files, and rank 0 broadcasting) under several layouts."""
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.versions import MANIFEST_FILE
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 

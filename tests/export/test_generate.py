@@ -21,6 +21,8 @@ from tests.checkpoint.ckpt_state import build_trainer
 from tests.conftest import REPO
 from veoptim.export.adapters import BASE_EXPORT
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["What is 12+30?", 'Repeat "melon crab"', "Reverse: cat dog"]
 NEW_TOKENS = 12
 LORA = ["lora.enabled=true", "lora.r=4", "model.dtype=fp32", "export.hf=true", "export.dtype=fp32",

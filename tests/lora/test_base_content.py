@@ -15,6 +15,8 @@ from veoptim.content_hash import files_content_hash
 from veoptim.export.hf_format import MODEL_RECORD_FILE
 from veoptim.lora.peft_format import BASE_FINGERPRINT_FILE
 
+pytestmark = pytest.mark.slow
+
 COMMON = ["run.device=cpu", "train.global_batch_size=4", "train.micro_batch_size=2",
           "scheduler.warmup_steps=1", "logging.progress=false"]  # fmt: skip
 ENV = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -23,6 +23,8 @@ from veoptim.lora.peft_format import (
     write_peft_adapter,
 )
 
+pytestmark = pytest.mark.slow
+
 CASES = {
     "dense_fsdp": ["parallel=fsdp"],
     "moe_ep2": ["model=tiny_moe", "parallel=fsdp_ep2"],

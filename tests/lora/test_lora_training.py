@@ -23,6 +23,8 @@ from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.errors import CheckpointError
 from veoptim.optim import MASTER_WEIGHT
 
+pytestmark = pytest.mark.slow
+
 LORA = ["lora.enabled=true", "lora.r=4", "optim=master_fp32_adamw", "model.dtype=bf16"]
 
 

@@ -13,6 +13,8 @@ import yaml
 
 from tests.conftest import run_task_cli
 
+pytestmark = pytest.mark.slow
+
 EXPORTS = {0: "slot0_uppercase", 1: "slot1_reverse", 2: "slot2_what-is"}
 SUMMARY = re.compile(r"slot (\d) \('[^']*'\): loss first ([\d.]+), last ([\d.]+)")
 

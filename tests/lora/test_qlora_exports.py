@@ -20,6 +20,8 @@ from veoptim.export.lora_formats import lora_model
 from veoptim.export.source import open_checkpoint
 from veoptim.lora import lora_layers
 
+pytestmark = pytest.mark.slow
+
 STEPS = 8
 
 

@@ -24,7 +24,7 @@ from veoptim.config.schema import ModelConfig
 from veoptim.models import build_model
 from veoptim.optim import MASTER_WEIGHT
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 
 def _codes(model: torch.nn.Module) -> dict[str, str]:

@@ -33,6 +33,8 @@ from veoptim.errors import ConfigError
 from veoptim.models.activation_checkpointing import enable_activation_checkpointing
 from veoptim.models.build import build_model
 
+pytestmark = pytest.mark.slow
+
 FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32"}
 SINGLE_CASES: dict[str, dict[str, Any]] = {
     "dense_dropout": {"model": DENSE},

@@ -8,6 +8,7 @@ another order).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tasks.compose import load_config
@@ -15,6 +16,8 @@ from tests.checkpoint.helpers import ckpt_io
 from veoptim.checkpoint import step_name
 from veoptim.distributed import init_distributed
 from veoptim.trainer import Trainer
+
+pytestmark = pytest.mark.slow
 
 BASE = ["run.device=cpu", "logging.progress=false", "logging.level=WARNING", "export.hf=false",
         "checkpoint.fsync=false", "train.global_batch_size=8", "train.micro_batch_size=4",

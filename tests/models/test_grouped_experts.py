@@ -35,6 +35,8 @@ from veoptim.models.experts import (
     grouped_mm_applies,
 )
 
+pytestmark = pytest.mark.slow
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HIDDEN, INTERMEDIATE, NUM_EXPERTS = 64, 32, 8
 #: rows per expert: every expert busy; experts 1, 6, 7 idle; no rows at all

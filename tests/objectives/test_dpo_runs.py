@@ -19,6 +19,8 @@ from veoptim.checkpoint import step_name
 from veoptim.distributed import DistContext, init_distributed
 from veoptim.trainer import Trainer
 
+pytestmark = pytest.mark.slow
+
 QUIET = ["run.device=cpu", "logging.progress=false", "logging.level=WARNING", "logging.log_every=1",
          "checkpoint.fsync=false"]  # fmt: skip
 #: A DPO run of the bundled model built from config (mechanics only, a few steps).

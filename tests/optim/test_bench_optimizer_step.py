@@ -11,6 +11,8 @@ import pytest
 
 from scripts.bench.optimizer_step import split_sizes
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

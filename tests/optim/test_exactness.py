@@ -23,6 +23,8 @@ from veoptim.optim import (
     MasterFP32AdamW,
 )
 
+pytestmark = pytest.mark.slow
+
 STEPS = 100
 
 VARIANTS = {

@@ -28,7 +28,7 @@ from tests.distributed.spawn import free_port, own_process_group, start_ranks
 from veoptim.config.schema import OptimConfig
 from veoptim.optim import MASTER_WEIGHT, STEP, build_optimizer, dcp_state_init
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 WORLD = 2
 TRAIN_STEPS = 3

@@ -29,7 +29,10 @@ from veoptim.optim import (
 )
 from veoptim.optim.kernels import native as nk
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)"),
+]
 
 #: Odd sizes (vector tails), and one tensor large enough to be split over threads.
 SHAPES = [(37, 29), (1000,), (3, 5, 7), (nk.PARALLEL_MIN_NUMEL * 3 + 45,)]

@@ -32,6 +32,8 @@ from veoptim.distributed.sizes import resolve_parallel_sizes
 from veoptim.errors import ConfigError
 from veoptim.objectives import DPOConfig, SFTConfig
 
+pytestmark = pytest.mark.slow
+
 SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig}
 BASES = [r for r in RECIPES if not r.endswith("_offload")]
 DPO = [r for r in RECIPES if task_of(r) == "dpo"]

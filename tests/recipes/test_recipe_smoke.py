@@ -26,6 +26,8 @@ from tests.distributed.spawn import rank_env, run_ranks
 from tests.recipes.helpers import CPU_SMOKE, RECIPES, compose_recipe, smoke_overrides, task_of
 from veoptim.config import to_config
 
+pytestmark = pytest.mark.slow
+
 STEPS = 4  # configs/recipes/scale/cpu_smoke.yaml: save and export every 2 steps
 CHAINED = "cuda_dpo_16rank_from_sft_export"  # DPO smoke from the cuda_sft_16rank smoke's export
 

@@ -15,6 +15,8 @@ from tests.conftest import REPO, run_task_cli
 from tests.rundir.holder import hold, stop
 from veoptim.rundir import LOCK_FILE, RunIdentity, write_identity
 
+pytestmark = pytest.mark.slow
+
 TINY = ["run.device=cpu", "logging.progress=false", "train.max_steps=2"]
 
 

@@ -25,6 +25,8 @@ from tasks.sweep_report import (
 )
 from tests import forkserver
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "sweep_report.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from tasks.serve import main
-from veoptim.checkpoint.publish import PHASES
+from veoptim.checkpoint.faults import PHASES
 from veoptim.lora.slots.store import SlotStore
 
 WAIT_S = 120.0

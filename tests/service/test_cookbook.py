@@ -12,6 +12,8 @@ from tests import forkserver
 from tests.service.helpers import InProcessServer, client_env
 from veoptim.data import bundled_tokenizer_dir
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("tinker_cookbook")
 TOKENIZER = str(bundled_tokenizer_dir().resolve())
 

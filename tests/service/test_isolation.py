@@ -18,7 +18,7 @@ from tests import forkserver
 from tests.conftest import REPO
 from tests.service.helpers import InProcessServer, client_env, differences
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 REFUSALS = ["other tenant's path", "truncated checkpoint", "sampler with optimizer",
             "other tenant's path, new model"]  # fmt: skip
 RTOL = 1e-5

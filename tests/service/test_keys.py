@@ -14,6 +14,8 @@ from tasks.serve import keys_argv
 from tests.conftest import REPO
 from tests.service.helpers import InProcessServer
 
+pytestmark = pytest.mark.slow
+
 
 def keys(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}

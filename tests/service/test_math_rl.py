@@ -18,7 +18,7 @@ from veoptim.data import bundled_tokenizer_dir
 
 pytest.importorskip("tinker_cookbook")
 pytest.importorskip("math_verify")
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 TOKENIZER = str(bundled_tokenizer_dir().resolve())
 STEPS = 8
 SERVER = [f"serve.base_model={TOKENIZER}", "data.max_seq_len=256", "lora.num_slots=8"]

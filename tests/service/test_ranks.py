@@ -27,7 +27,7 @@ from veoptim.service import ranks
 from veoptim.service.errors import USER, ServiceError
 from veoptim.service.losses import get_loss
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 CROSS_ENTROPY = get_loss("cross_entropy", {})
 
 

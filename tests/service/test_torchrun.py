@@ -27,7 +27,7 @@ from tests.service.helpers import (
 )
 from tests.service.test_restart import logprob_bits, tokens_of
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 PROMPT = types.ModelInput.from_ints([1, 2, 3, 4, 5])
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0)

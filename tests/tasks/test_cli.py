@@ -19,6 +19,8 @@ from veoptim.config.reference import ConfigKey, config_keys, sections
 from veoptim.lora.slots import MultiLoRAConfig
 from veoptim.objectives import DPOConfig, SFTConfig
 
+pytestmark = pytest.mark.slow
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 SCHEMAS = {"sft": SFTConfig, "dpo": DPOConfig, "multi_lora": MultiLoRAConfig}
 

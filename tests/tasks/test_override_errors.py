@@ -21,6 +21,8 @@ from tasks.usage import render_help
 from tests.conftest import REPO, run_sft_cli
 from veoptim.objectives import SFTConfig
 
+pytestmark = pytest.mark.slow
+
 TYPOS = {
     "optim.lrr=1e-3": ["unknown config key optim.lrr", "did you mean optim.lr?"],
     "train.max_step=5": ["unknown config key train.max_step", "did you mean train.max_steps?"],

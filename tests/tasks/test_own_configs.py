@@ -16,6 +16,8 @@ import yaml
 from tests.conftest import REPO, run_sft_cli
 from tests.test_log_format import odd_lines
 
+pytestmark = pytest.mark.slow
+
 #: A primary config as docs/config.md shows it: the schema and the groups, no hydra block.
 MINE = """\
 defaults:

@@ -16,6 +16,8 @@ from tests.conftest import REPO, run_sft_cli
 from veoptim.checkpoint.versions import latest_complete, published_names, read_manifest, resolve
 from veoptim.rundir import holder_of, read_identity
 
+pytestmark = pytest.mark.slow
+
 COMMON = [
     "run.device=cpu",
     "train.global_batch_size=4",

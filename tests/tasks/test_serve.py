@@ -12,8 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tasks.serve import SERVICE_MODULES
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
 
 BLOCKER = """
 import sys

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -15,6 +16,8 @@ from veoptim.config import to_config
 from veoptim.data import bundled_sample_path
 from veoptim.distributed import init_distributed
 from veoptim.trainer import Callback, Trainer
+
+pytestmark = pytest.mark.slow
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -30,6 +30,8 @@ from veoptim.data import bundled_sample_path
 from veoptim.distributed import DistContext
 from veoptim.trainer import Callback, Trainer
 
+pytestmark = pytest.mark.slow
+
 TOL = 2e-5
 BASE = ["run.device=cpu", "train.global_batch_size=4", "train.micro_batch_size=2",
         "scheduler.warmup_steps=1", "logging.progress=false", "logging.level=WARNING",

@@ -27,6 +27,8 @@ from transformers import (
 from tests.conftest import run_sft_cli
 from veoptim.export.source import model_inventory, open_checkpoint, read_model_tensors
 
+pytestmark = pytest.mark.slow
+
 BOS, EOT, PAD = "<|begin_of_text|>", "<|eot_id|>", "<|pad|>"
 HEADERS = ("<|start_header_id|>", "<|end_header_id|>")
 #: Llama 3 style turns; ``{% generation %}`` marks the trained span of assistant turns.

@@ -22,6 +22,8 @@ from tests.checkpoint.helpers import ckpt_io
 from tests.conftest import REPO
 from veoptim.checkpoint import latest_complete, step_name
 
+pytestmark = pytest.mark.slow
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 COMMON = [
     "run.device=cpu",

@@ -14,11 +14,15 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
+
 from tasks.compose import load_config
 from tests.distributed.spawn import RESULT_FILE, run_ranks
 from veoptim.distributed import DistContext
 from veoptim.errors import PreemptedError
 from veoptim.trainer import Callback, Trainer
+
+pytestmark = pytest.mark.slow
 
 SIGNALLED_RANK, SIGNALLED_STEP = 1, 2
 OVERRIDES = ["run.device=cpu", "parallel=fsdp", "train.global_batch_size=4",

@@ -16,6 +16,8 @@ import pytest
 from tests.conftest import run_sft_cli
 from veoptim.trainer.startup import RESUME_WEIGHTS, RESUME_WHOLE
 
+pytestmark = pytest.mark.slow
+
 SHORT = ["run.device=cpu", "train.global_batch_size=4", "train.micro_batch_size=4",
          "scheduler.warmup_steps=1", "logging.progress=false", "export.hf=false",
          "checkpoint.fsync=false"]  # fmt: skip

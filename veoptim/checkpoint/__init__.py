@@ -3,10 +3,16 @@
 * ``component.py`` + ``checkpointer.py``: the component contract, the ``checkpoint.json``
   that records it, validation and inventories, and the ``Checkpointer`` (save, restore);
 * ``versions.py`` + ``publish.py``: the versioned-directory store that checkpoints,
-  exports and slots share (names, versions, manifests, readers; publication, retention
-  and the fault phases);
+  exports and slots share (names, versions, manifests, readers; publication and
+  retention), with ``faults.py`` naming the points where tests inject faults;
 * ``storage/``: the DCP storage behind them (raw format, reader, writer, prefault,
   read-ahead, durability), entered only through its package's functions.
+
+The door: ``Checkpointer`` (save, resolve, restore, load), the component contract it
+takes (``StateComponent``, ``ComponentState``, ``SavedComponent``, ``Staged``,
+``TensorSpec``) and the reader of what a version holds (``read_info``, a
+``CheckpointInfo``). Those need torch and are imported on first use (PEP 562), so the
+versioned store's publication and readers below still start without torch.
 """
 
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
@@ -21,8 +27,29 @@ from veoptim.checkpoint.versions import (
     step_name,
     validate_name,
 )
+from veoptim.lazy import lazy_names
+
+#: Public name -> submodule that defines it (imported on first use: they import torch).
+_EXPORTS: dict[str, str] = {
+    "Checkpointer": "checkpointer",
+    "CheckpointInfo": "component",
+    "ComponentState": "component",
+    "SavedComponent": "component",
+    "Staged": "component",
+    "StateComponent": "component",
+    "TensorSpec": "component",
+    "read_info": "component",
+}
 
 __all__ = [
+    "CheckpointInfo",
+    "Checkpointer",
+    "ComponentState",
+    "SavedComponent",
+    "Staged",
+    "StateComponent",
+    "TensorSpec",
+    "read_info",
     "PendingVersion",
     "Published",
     "Publisher",
@@ -36,3 +63,5 @@ __all__ = [
     "step_name",
     "validate_name",
 ]
+
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

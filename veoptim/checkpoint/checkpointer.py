@@ -54,7 +54,7 @@ from veoptim.checkpoint.component import (
     saved_inventory,
     shared_json_path,
 )
-from veoptim.checkpoint.publish import (
+from veoptim.checkpoint.faults import (
     PHASE_APPLY,
     PHASE_GATHER,
     PHASE_READ,
@@ -62,11 +62,8 @@ from veoptim.checkpoint.publish import (
     PHASE_WRITE,
     PHASE_WRITER,
     FaultHook,
-    PendingVersion,
-    Published,
-    Publisher,
-    fire,
 )
+from veoptim.checkpoint.publish import PendingVersion, Published, Publisher, fire
 from veoptim.checkpoint.versions import KIND_CHECKPOINT, Resolved, latest_complete, resolve_agreed
 from veoptim.distributed.agreement import agreed, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError

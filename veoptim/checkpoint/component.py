@@ -200,6 +200,29 @@ def check_info(info: Any, path: Path) -> dict[str, Any]:
     return info
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``checkpoint.json`` records for a whole version, checked (:func:`read_info`)."""
+
+    step: int
+    world_size: int
+    #: A weights-only ("sampler") checkpoint: a subset of the run's components.
+    weights_only: bool
+    components: tuple[str, ...]
+
+
+def read_info(version: Path) -> CheckpointInfo:
+    """Read and check ``checkpoint.json`` of ``version`` (:func:`check_info`): the one
+    reader for code outside the checkpointer that needs what a version holds."""
+    info = check_info(read_json(version / INFO_FILE), version)
+    return CheckpointInfo(
+        step=info[INFO_STEP],
+        world_size=info[INFO_WORLD_SIZE],
+        weights_only=bool(info.get(INFO_WEIGHTS_ONLY)),
+        components=tuple(info[INFO_COMPONENTS]),
+    )
+
+
 def check_components(
     saved: Collection[str], wanted: Collection[str], path: Path, *, exact: bool
 ) -> None:

@@ -1,5 +1,5 @@
 """The versioned-directory store that checkpoints, exports and slots share: crash-atomic
-publication of versions under names, retention, and the fault phases of a save or load.
+publication of versions under names and retention.
 It is the one caller of the DCP storage's durability (``storage.fsync_*``).
 
     publisher = Publisher(root, keep_last=3, fsync=True, group=None)
@@ -30,8 +30,8 @@ them, in this order:
 
 Phases 1, 2 and 3-5 each end in a cross-rank agreement, so every rank raises the same
 ``CheckpointError``. A failure leaves the previous version of the name published and
-removes the new, unpublished version directory. ``PHASES`` names the points where tests
-inject faults.
+removes the new, unpublished version directory. ``faults.PHASES`` names the points where
+tests inject faults.
 
 Retention and crash-debris cleanup are best-effort: failures are logged, never raised.
 
@@ -45,14 +45,7 @@ Retention and crash-debris cleanup are best-effort: failures are logged, never r
 Deleting a version unlinks its manifest first, so a half-deleted version is never taken
 for a complete one.
 
-Fault hooks are named points in a save where tests inject a failure or a crash.
-
-A hook is called with a phase name when a save or a load reaches that point; whatever it
-raises (or a ``SIGKILL`` it sends) is a fault at exactly that point. Production code passes
-no hook. Every phase is named here, once: the publication's (``PHASES``, in the order a
-save reaches them, so the crash and fault tests can iterate over all of them), the
-checkpointer's own around them (``SAVE_PHASES``), and a load's (``LOAD_PHASES``; ``apply``
-fires once, then ``apply:<component>`` after each component is installed).
+The points where tests inject faults (``fault_hook``) are named in ``faults.py``.
 """
 
 from __future__ import annotations
@@ -70,6 +63,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from veoptim.checkpoint import storage
+from veoptim.checkpoint.faults import (
+    PHASE_AFTER_MANIFEST,
+    PHASE_AFTER_REPLACE,
+    PHASE_BEFORE_MANIFEST,
+    PHASE_BEFORE_REPLACE,
+    PHASE_PREPARED,
+    PHASE_RETENTION,
+    PHASE_WRITTEN,
+    FaultHook,
+)
 from veoptim.checkpoint.versions import (
     KIND_CHECKPOINT,
     Manifest,
@@ -103,39 +106,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# ---------------------------------------------------------------- fault hooks: the one vocabulary of phases
-FaultHook = Callable[[str], None]
-
-PHASE_GATHER = "gather"  # every rank, before the components' state is gathered
-PHASE_WRITER = "writer"  # every rank, before the DCP storage writer is created
-PHASE_WRITE = "write"  # every rank, after dcp.save wrote this rank's files
-PHASE_VALIDATE = "validate"  # every rank, after the checkpoint is validated and staged
-PHASE_READ = "read"  # every rank, after dcp.load into the staging buffers
-PHASE_APPLY = "apply"  # every rank, before the first component is installed
-PHASE_PREPARED = "prepared"  # every rank, after the version directory exists
-PHASE_WRITTEN = "written"  # every rank, after the caller's writes, before their fsync
-PHASE_BEFORE_MANIFEST = "before_manifest"  # rank 0, every rank's files are in
-PHASE_AFTER_MANIFEST = "after_manifest"  # rank 0, manifest written and flushed, name unmoved
-PHASE_BEFORE_REPLACE = "before_replace"  # rank 0, the temporary link exists
-PHASE_AFTER_REPLACE = "after_replace"  # rank 0, the name points to the new version
-PHASE_RETENTION = "retention"  # rank 0, before retention removes a name or a version
-
-PHASES = (
-    PHASE_PREPARED,
-    PHASE_WRITTEN,
-    PHASE_BEFORE_MANIFEST,
-    PHASE_AFTER_MANIFEST,
-    PHASE_BEFORE_REPLACE,
-    PHASE_AFTER_REPLACE,
-    PHASE_RETENTION,
-)
-#: A checkpointer's save, in order: the publication's first phase, its own, then the rest.
-SAVE_PHASES = (PHASE_PREPARED, PHASE_GATHER, PHASE_WRITER, PHASE_WRITE, *PHASES[1:])
-LOAD_PHASES = (PHASE_VALIDATE, PHASE_READ, PHASE_APPLY)
-
-
 def fire(hook: FaultHook | None, phase: str) -> None:
-    """Call ``hook`` with ``phase`` if a hook is set (tests only)."""
+    """Call ``hook`` with ``phase`` (a name of ``faults.py``) if a hook is set (tests only)."""
     if hook is not None:
         hook(phase)
 

@@ -15,10 +15,6 @@ from typing import Any
 
 from veoptim.errors import ConfigError
 
-MISSING_PATH = (
-    ""  # "not set" for optional paths; OmegaConf has no Optional[str] default of None in lists
-)
-
 
 def opt(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
     """A dataclass field with a default and a help text."""

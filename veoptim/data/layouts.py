@@ -192,9 +192,6 @@ TABLE: tuple[LayoutSpec, ...] = (
 LAYOUT_BY_NAME: dict[str, LayoutSpec] = {spec.name: spec for spec in TABLE}
 #: The values of ``data.layout`` besides ``auto``.
 LAYOUTS: tuple[str, ...] = tuple(LAYOUT_BY_NAME)
-#: Canonical columns of each layout: required ones first, then optional ones.
-REQUIRED: dict[str, tuple[str, ...]] = {spec.name: spec.required for spec in TABLE}
-OPTIONAL: dict[str, tuple[str, ...]] = {spec.name: spec.optional for spec in TABLE}
 #: What ``data.layout=auto`` recognises, for error messages.
 DETECTED = ", ".join(f"{spec.describe()} ({spec.name})" for spec in TABLE)
 #: How to read data whose names differ, for error messages.

@@ -35,7 +35,6 @@ from veoptim.errors import ConfigError
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
-SHARD_FILE_PATTERN = "model-{index:05d}-of-{total:05d}.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
 #: The export's own record: the content hash of its weights (``veoptim.content_hash``), so a
 #: LoRA run on it, and every adapter trained there, can name the bytes they belong to.

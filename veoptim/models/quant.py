@@ -29,9 +29,7 @@ from torch import nn
 from veoptim.errors import ConfigError
 from veoptim.models.experts import find_fused_experts
 
-QUANT_NONE = "none"
 NF4 = "nf4"
-QUANT_CHOICES = (QUANT_NONE, NF4)
 #: Weights per FP32 absmax scale (bitsandbytes' and torchao's NF4 default).
 BLOCK_SIZE = 64
 #: Modules never quantized: the output projection (its logits set the loss).

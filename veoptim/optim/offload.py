@@ -94,11 +94,6 @@ class StagingBuffer:
         self.accel.copy_(dst, src)
         self._record(self._out)
 
-    def drain(self) -> None:
-        """Wait for every outstanding transfer (before the buffers are dropped)."""
-        for slot in (*self._grad, self._out):
-            slot.wait()
-
 
 def offload_update_(batch: UpdateBatch, hp: Hyper, staging: StagingBuffer, kernel: Kernel) -> None:
     """AdamW update of host-resident masters/moments from device gradients, chunk by chunk,

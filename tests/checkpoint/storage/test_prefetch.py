@@ -20,10 +20,13 @@ import pytest
 
 from veoptim.checkpoint.storage.readahead import BUDGET, CHUNK, ShardPrefetch
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("fincore") is None or not hasattr(os, "posix_fadvise"),
-    reason="needs util-linux fincore and posix_fadvise",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("fincore") is None or not hasattr(os, "posix_fadvise"),
+        reason="needs util-linux fincore and posix_fadvise",
+    ),
+]
 SIZE = 8 * CHUNK + 4321  # 32 MiB and a partial chunk: several read-ahead windows
 
 

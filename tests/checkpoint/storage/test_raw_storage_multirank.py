@@ -15,7 +15,7 @@ from tests.distributed.spawn import start_ranks
 from veoptim.checkpoint.storage.raw_format import RawChunk
 from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader, read_dcp_metadata
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 
 @pytest.fixture(scope="module")

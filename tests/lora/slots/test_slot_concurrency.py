@@ -7,8 +7,12 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from tests.conftest import REPO
 from tests.lora.slots.helpers import build, differences, train
+
+pytestmark = pytest.mark.slow
 
 STEPS = 4
 

@@ -14,6 +14,8 @@ from tests.lora.slots.helpers import batch, build, differences
 from veoptim.distributed import DistContext
 from veoptim.errors import SlotError
 
+pytestmark = pytest.mark.slow
+
 K = 3
 
 

@@ -20,17 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.component import (
-    INFO_FILE,
-    INFO_WEIGHTS_ONLY,
-    StateComponent,
-    check_info,
-    read_json,
-)
-from veoptim.checkpoint.publish import FaultHook, Published, remove_root
+from veoptim.checkpoint.component import StateComponent, read_info
+from veoptim.checkpoint.faults import FaultHook
+from veoptim.checkpoint.publish import Published, remove_root
 from veoptim.checkpoint.versions import (
     is_within,
-    latest_complete,
+    newest_complete,
     published_names,
     resolve,
     resolve_path,
@@ -132,12 +127,11 @@ class SlotStore:
 
     def resolve(self, ref: str | os.PathLike[str]) -> tuple[Path, bool]:
         """The complete version ``ref`` names and whether it is weights-only (rank 0
-        resolves once; agreed)."""
+        resolves once, verifying the version's manifest once; agreed)."""
 
         def find() -> tuple[str, bool]:
             path = self._resolve_here(ref)
-            info = check_info(read_json(path / INFO_FILE), path)
-            return str(path), bool(info.get(INFO_WEIGHTS_ONLY))
+            return str(path), read_info(path).weights_only
 
         path_text, weights_only = on_rank0(
             find, f"resolving slot checkpoint {str(ref)!r}", self.group
@@ -156,12 +150,12 @@ class SlotStore:
             name_root = self.root / validate_name(parts[0])
             if len(parts) == 2:
                 return resolve(name_root, validate_name(parts[1]))
-            latest = latest_complete(name_root)
-            if latest is None:
+            newest = newest_complete(name_root)  # the version, verified complete once
+            if newest is None:
                 raise CheckpointError(
                     f"there is no complete slot checkpoint named {parts[0]!r} in {self.root}."
                 )
-            return resolve(name_root, latest)
+            return newest[1]
         path = Path(text)
         if not is_within(path.parent, self.root):
             raise CheckpointError(

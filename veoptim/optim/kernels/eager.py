@@ -125,17 +125,6 @@ class UpdateBatch:
     sr_offsets: list[int]
 
 
-def _widen(
-    scratch: Scratch, name: str, views: list[torch.Tensor], total: int
-) -> list[torch.Tensor]:
-    """FP32 copies of ``views`` packed into one scratch buffer (views already FP32 are returned)."""
-    if all(v.dtype == torch.float32 for v in views):
-        return views
-    out = scratch_views(scratch, name, [v.numel() for v in views], total, views[0].device)
-    torch._foreach_copy_(out, views)
-    return out
-
-
 def scratch_views(
     scratch: Scratch, name: str, sizes: list[int], total: int, device: torch.device
 ) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ from tests.distributed.workers_sharded_load import load_both_ways
 from veoptim.models import build_model
 from veoptim.models.sharded_load import SafetensorsShards, local_view, parameters_on_meta
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 
 @pytest.fixture(scope="module")

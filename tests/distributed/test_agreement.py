@@ -9,7 +9,7 @@ from tests.checkpoint.helpers.multirank import results
 from veoptim.distributed.agreement import agree, broadcast_from_rank0, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
 
 def test_single_process_success_returns() -> None:
