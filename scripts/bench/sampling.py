@@ -20,8 +20,11 @@ one long-prompt decode against ``transformers`` ``generate``.
   base's weights; the greedy tokens are compared (``same_tokens``). Then a group:
   ``--group`` samples of that prompt (temperature 1, seeded) from one slot, against
   ``generate(do_sample=True, num_return_sequences=group)``. On the bundled tiny model and on
-  a Qwen2 of 26 M parameters built on the fly (per-token overhead against compute). Each
-  figure is the median of ``--repeats`` runs after one warm-up, the two sides interleaved.
+  a Qwen2 of 26 M parameters built on the fly (per-token overhead against compute).
+  ``generate`` copies the prompt to every sequence before its prefill; ``sample_tokens``
+  prefills it once (``group``; ``group_unshared``: one prefill per sample, for
+  comparison). Each figure is the median of ``--repeats`` runs after one warm-up, the
+  calls interleaved.
 
 Prints one JSON line with the ratios of this run. ``--smoke``: the decode part on the tiny
 model only, short (the test).
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import os
 import subprocess
@@ -199,12 +203,18 @@ def decode_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, A
         [row] = sample_tokens(trainer, [SampleRow(prompt, slot, n, temperature=0.0)])
         return time.perf_counter() - start, row.tokens
 
-    def ours_group(k: int) -> tuple[float, int]:
+    def ours_group(k: int, **options: bool) -> tuple[float, int]:
         rows = [SampleRow(prompt, 0, n, 1.0, generator=torch.Generator().manual_seed(k * 100 + i))
                 for i in range(group)]  # fmt: skip
         start = time.perf_counter()
-        tokens = sum(len(r.tokens) for r in sample_tokens(trainer, rows))
+        tokens = sum(len(r.tokens) for r in sample_tokens(trainer, rows, **options))
         return time.perf_counter() - start, tokens
+
+    calls = {"generate": lambda k: generate(0), "base": lambda k: ours(None),
+             "slot": lambda k: ours(0), "generate_group": lambda k: generate(group),
+             "group": ours_group}  # fmt: skip
+    if "share_prefill" in inspect.signature(sample_tokens).parameters:
+        calls["group_unshared"] = lambda k: ours_group(k, share_prefill=False)
 
     def generate(sampled: int) -> tuple[float, list[int]]:
         extra = ({"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
@@ -217,15 +227,11 @@ def decode_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, A
                                  use_cache=True, **extra)  # fmt: skip
         return time.perf_counter() - start, out[0, len(prompt) :].tolist()
 
-    times: dict[str, list[float]] = {k: [] for k in ("generate", "base", "slot",
-                                                     "generate_group", "group")}  # fmt: skip
+    times: dict[str, list[float]] = {label: [] for label in calls}
     tokens: dict[str, list[int]] = {}
     for k in range(args.repeats + 1):  # the first is a warm-up
-        for label, call in (("generate", lambda: generate(0)), ("base", lambda: ours(None)),
-                            ("slot", lambda: ours(0)),
-                            ("generate_group", lambda: generate(group)),
-                            ("group", lambda k=k: ours_group(k))):  # fmt: skip
-            seconds, out = call()
+        for label, call in calls.items():
+            seconds, out = call(k)
             if k:
                 times[label].append(seconds)
             if isinstance(out, list):
@@ -238,11 +244,12 @@ def decode_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, A
         "seconds": {label: round(v, 4) for label, v in s.items()},
         "tokens_per_s": {"generate": round(n / s["generate"], 1),
                          "base": round(n / s["base"], 1), "slot": round(n / s["slot"], 1),
-                         "generate_group": round(group * n / s["generate_group"], 1),
-                         "group": round(group * n / s["group"], 1)},
+                         **{label: round(group * n / s[label], 1)
+                            for label in s if "group" in label}},
         "time_ratio_vs_generate": {"base": round(s["base"] / s["generate"], 3),
                                    "slot": round(s["slot"] / s["generate"], 3),
-                                   "group": round(s["group"] / s["generate_group"], 3)},
+                                   **{label: round(s[label] / s["generate_group"], 3)
+                                      for label in s if label.startswith("group")}},
     }  # fmt: skip
 
 
