@@ -14,6 +14,13 @@ full-width product adds exact zeros and their gradients stay zero.
 
 A slot that has rows on another rank but none here still runs (on zero rows), so its
 parameters get (zero) gradients on every rank and FSDP reduces the same set everywhere.
+
+A generation runs many forwards of one routing with weights that do not change between
+them: :meth:`SlotRouter.hold_weights` stacks each layer's slot weights once and reuses the
+stack until :meth:`SlotRouter.clear` (the same values: a copy made once instead of once per
+forward). Rows already in slot-major order with no padding (every row of one slot, the
+usual case of a single client or a group of samples) skip the two gathers: the same values
+reach the same products.
 """
 
 from __future__ import annotations
@@ -49,6 +56,10 @@ class SlotRouter:
         #: Per batch row: its padded position.
         self._scatter: torch.Tensor | None = None
         self._per_slot = 0
+        #: The rows are in slot-major order without padding: the gathers are identities.
+        self._in_order = False
+        #: With hold_weights: each layer's stacked (A, B, scales), made on its first forward.
+        self._held: dict[nn.Module, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def route(self, slot_ids: torch.Tensor, slots: Sequence[int]) -> None:
         """``slot_ids[i]`` is row ``i``'s slot; ``slots`` every slot that runs (sorted, a
@@ -68,11 +79,48 @@ class SlotRouter:
             target = k * per_slot + filled[k]
             filled[k] += 1
             gather[target], scatter[row] = row, target
-        self._names = [slot_adapter_name(s) for s in slots]
+        names = [slot_adapter_name(s) for s in slots]
+        if self._held is not None and names != self._names:
+            self._held = {}  # other slots: other stacks
+        self._names = names
         self._gather, self._scatter, self._per_slot = gather, scatter, per_slot
+        self._in_order = len(slots) * per_slot == rows and bool(
+            torch.equal(gather, torch.arange(rows))
+        )
+
+    def hold_weights(self) -> None:
+        """Until :meth:`clear`, stack each layer's slot weights on its first forward and
+        reuse them, also across routings of the same slots: for the forwards of one
+        generation, between which no weight changes (no gradients; the caller holds the
+        trainer's lock). Holds one copy of the routed slots' adapter weights meanwhile."""
+        self._held = {}
 
     def clear(self) -> None:
         self._gather = self._scatter = None
+        self._held = None
+
+    def _stacked(self, layer: LoRALinear, device: torch.device,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The routed slots' A [slots, r, in], B [slots, out, r] and scales [slots]."""
+        held = None if self._held is None else self._held.get(layer)
+        if held is not None:
+            return held
+        names = self._names
+        a = torch.stack([layer.lora_A[n].weight for n in names])
+        b = torch.stack([layer.lora_B[n].weight for n in names])
+        scales = torch.tensor(
+            [layer.specs[n].scaling for n in names], dtype=torch.float32, device=device
+        )
+        if self._held is not None:
+            self._held[layer] = (a, b, scales)
+        return a, b, scales
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gather and scatter indices on ``device`` (moved there once per routing)."""
+        assert self._gather is not None and self._scatter is not None
+        if self._gather.device != device:
+            self._gather, self._scatter = self._gather.to(device), self._scatter.to(device)
+        return self._gather, self._scatter
 
     def add_deltas(self, layer: LoRALinear, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         if self._gather is None or self._scatter is None:
@@ -80,22 +128,21 @@ class SlotRouter:
                 "a multi-LoRA model was called without slot routing; run it through SlotTrainer "
                 "(or SlotRouter.route) so each row uses its slot's adapter."
             )
-        names, device = self._names, x.device
-        a = torch.stack([layer.lora_A[n].weight for n in names])  # [slots, r, in]
-        b = torch.stack([layer.lora_B[n].weight for n in names])  # [slots, out, r]
-        scales = torch.tensor(
-            [layer.specs[n].scaling for n in names], dtype=torch.float32, device=device
-        )
+        names = self._names
+        a, b, scales = self._stacked(layer, x.device)  # [slots, r, in], [slots, out, r]
+        gather, scatter = self._on(x.device)
         row_shape = x.shape[1:-1]
-        padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).index_select(
-            0, self._gather.to(device)
+        padded = (
+            x
+            if self._in_order
+            else torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).index_select(0, gather)
         )  # [slots * per_slot, ..., in], slot-major; padding rows are zero
         padded = padded.to(a.dtype).reshape(len(names), -1, x.shape[-1])
         dropout = layer.lora_dropout[names[0]]
         out = torch.bmm(torch.bmm(dropout(padded), a.transpose(1, 2)), b.transpose(1, 2))
         out = (out * scales.view(-1, 1, 1)).to(result.dtype)
-        out = out.reshape(-1, *row_shape, out.shape[-1]).index_select(0, self._scatter.to(device))
-        return result + out
+        out = out.reshape(-1, *row_shape, out.shape[-1])
+        return result + (out if self._in_order else out.index_select(0, scatter))
 
 
 def apply_slot_lora(model: nn.Module, cfg: LoRAConfig, num_slots: int) -> SlotRouter:

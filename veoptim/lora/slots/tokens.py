@@ -177,7 +177,12 @@ class SampledRow:
 
 
 def sample_tokens(
-    trainer: SlotTrainer, rows: list[SampleRow], pad_with: SampleRow | None = None
+    trainer: SlotTrainer,
+    rows: list[SampleRow],
+    pad_with: SampleRow | None = None,
+    *,
+    share_prefill: bool = True,
+    compact: bool = True,
 ) -> list[SampledRow]:
     """Generate every row at once with a KV cache (the model's ``past_key_values``):
     prompts left-padded to the longest, each row through its slot's adapter (rows of
@@ -185,6 +190,12 @@ def sample_tokens(
     token per row per step until each row stops. ``temperature == 0`` is greedy
     (argmax); otherwise each row draws from its own ``generator``. No gradients, no
     change to any slot.
+
+    ``share_prefill``: rows with the same prompt and slot (the samples of one request)
+    prefill that prompt once, and each row then decodes from its own copy of its KV cache.
+    ``compact``: once at most half of the batch's rows are still generating, the stopped
+    rows leave the batch (their cache too), so a step computes only the rows that need it.
+    Neither changes what a row computes, only the batch it computes in.
 
     Under ``torchrun`` every rank calls it with its own rows (of one kind: slot or base)
     and steps until the rows of every rank stop; a rank without rows runs ``pad_with``
@@ -203,65 +214,58 @@ def sample_tokens(
         present = [] if base else trainer._present(torch.tensor(slots))
         for s in present:
             trainer._slot(s)
-        device = trainer.ctx.device
-        n, length = len(rows), max(len(r.prompt) for r in rows)
-        ids = torch.zeros(n, length, dtype=torch.long)
-        mask = torch.zeros(n, length, dtype=torch.long)
-        for i, r in enumerate(rows):
-            if r.prompt:
-                ids[i, length - len(r.prompt) :] = torch.tensor(r.prompt)
-                mask[i, length - len(r.prompt) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        device, router = trainer.ctx.device, trainer.router
+        firsts, owner = _prefills(rows, share_prefill)
+        ids, mask, positions = _left_padded([rows[i].prompt for i in firsts])
         layers = slot_layers(trainer.model)
         if base:
             for layer in layers.values():
                 layer.router = None
-        else:
-            trainer.router.route(torch.tensor(slots), present)
         out = [SampledRow([], [], False) for _ in rows]
         try:
             with torch.no_grad():
+                if not base:
+                    router.route(torch.tensor([slots[i] for i in firsts]), present)
+                    router.hold_weights()  # one stack of the slots' weights for every step
                 result = trainer.model(input_ids=ids.to(device), attention_mask=mask.to(device),
                                        position_ids=positions.to(device), use_cache=True)  # fmt: skip
                 logits = result.logits.float()
-                for i, r in enumerate(rows):
-                    if r.prompt_logprobs:
-                        k = len(r.prompt)
-                        lp = torch.full((k,), float("nan"))
-                        if k > 1:
-                            row = logits[i, length - k : length - 1].log_softmax(-1)
-                            target = ids[i, length - k + 1 :].to(device).unsqueeze(-1)
-                            lp[1:] = row.gather(-1, target).squeeze(-1).cpu()
-                        out[i].prompt_logprobs = lp
-                cache, last = result.past_key_values, logits[:, -1]
+                _prompt_logprobs(rows, owner, out, logits, ids)
+                cache, mask = result.past_key_values, mask.to(device)
+                next_pos = positions[:, -1:].to(device) + 1
+                if len(firsts) < len(rows):  # every row its own copy of its prompt's cache
+                    index = torch.tensor(owner, device=device)
+                    cache.batch_select_indices(index)
+                    mask, next_pos, last = mask[index], next_pos[index], logits[index, -1]
+                    if not base:
+                        router.route(torch.tensor(slots), present)
+                else:
+                    last = logits[:, -1]
+                del result, logits
+                batch = list(range(len(rows)))  # the rows in the batch, in its order
                 done = [r.max_tokens <= 0 for r in rows]
-                next_pos = positions[:, -1:] + 1
                 finished = _all_done(trainer, done)
                 while not finished:
-                    chosen = torch.zeros(n, 1, dtype=torch.long)
-                    logp_all = last.log_softmax(-1).cpu()
-                    for i, r in enumerate(rows):
-                        if done[i]:
-                            continue
-                        token = _pick(last[i], r)
-                        chosen[i, 0] = token
-                        out[i].tokens.append(token)
-                        out[i].logprobs.append(float(logp_all[i, token]))
-                        if token in r.stop_ids or (
-                            r.stop_strings
-                            and any(
-                                s in trainer.tokenizer.decode(out[i].tokens) for s in r.stop_strings
-                            )
-                        ):
-                            done[i] = out[i].stopped = True
-                        elif len(out[i].tokens) >= r.max_tokens:
-                            done[i] = True
+                    chosen, logprobs = _next_tokens(last, [rows[i] for i in batch],
+                                                    [done[i] for i in batch])  # fmt: skip
+                    for k, i in enumerate(batch):
+                        if not done[i]:
+                            _append(trainer, rows[i], out[i], chosen[k], logprobs[k], done, i)
                     finished = _all_done(trainer, done)
                     if finished:
                         break
-                    mask = torch.cat([mask, torch.ones(n, 1, dtype=torch.long)], dim=1)
-                    result = trainer.model(input_ids=chosen.to(device), attention_mask=mask.to(device),
-                                           position_ids=next_pos.to(device), past_key_values=cache,
+                    step = torch.tensor(chosen, device=device).unsqueeze(-1)
+                    keep = _kept(batch, done) if compact else None
+                    if keep is not None:
+                        index = torch.tensor(keep, device=device)
+                        cache.batch_select_indices(index)
+                        mask, next_pos, step = mask[index], next_pos[index], step[index]
+                        batch = [batch[k] for k in keep]
+                        if not base:
+                            router.route(torch.tensor([slots[i] for i in batch]), present)
+                    mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
+                    result = trainer.model(input_ids=step, attention_mask=mask,
+                                           position_ids=next_pos, past_key_values=cache,
                                            use_cache=True)  # fmt: skip
                     cache, last = result.past_key_values, result.logits[:, -1].float()
                     next_pos = next_pos + 1
@@ -274,6 +278,95 @@ def sample_tokens(
         return out[:real]
 
 
+def _prefills(rows: list[SampleRow], share: bool) -> tuple[list[int], list[int]]:
+    """The rows whose prompts are prefilled (with ``share``, the first row of each prompt
+    and slot) and, for every row, the index of its prefill among them."""
+    if not share:
+        return list(range(len(rows))), list(range(len(rows)))
+    firsts: list[int] = []
+    seen: dict[tuple[tuple[int, ...], int | None], int] = {}
+    owner = []
+    for i, r in enumerate(rows):
+        key = (tuple(r.prompt), r.slot)
+        if key not in seen:
+            seen[key] = len(firsts)
+            firsts.append(i)
+        owner.append(seen[key])
+    return firsts, owner
+
+
+def _left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input ids, attention mask and position ids of prompts left-padded to the longest."""
+    n, length = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(n, length, dtype=torch.long)
+    mask = torch.zeros(n, length, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        if prompt:
+            ids[i, length - len(prompt) :] = torch.tensor(prompt)
+            mask[i, length - len(prompt) :] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _prompt_logprobs(rows: list[SampleRow], owner: list[int], out: list[SampledRow],
+                     logits: torch.Tensor, ids: torch.Tensor) -> None:  # fmt: skip
+    """Each asking row's prompt log-probabilities, from its prefill's logits."""
+    length = ids.shape[1]
+    for i, r in enumerate(rows):
+        if not r.prompt_logprobs:
+            continue
+        u, k = owner[i], len(r.prompt)
+        lp = torch.full((k,), float("nan"))
+        if k > 1:
+            row = logits[u, length - k : length - 1].log_softmax(-1)
+            target = ids[u, length - k + 1 :].to(logits.device).unsqueeze(-1)
+            lp[1:] = row.gather(-1, target).squeeze(-1).cpu()
+        out[i].prompt_logprobs = lp
+
+
+def _next_tokens(last: torch.Tensor, rows: list[SampleRow], done: list[bool],
+                 ) -> tuple[list[int], list[float]]:  # fmt: skip
+    """Each row's next token (0 for a row that stopped) and its log-probability under the
+    model: the greedy rows' argmax in one call, the others drawn one by one from their own
+    generators, the log-probabilities gathered in one call (one copy to the host each)."""
+    chosen = [0] * len(rows)
+    greedy = [k for k, r in enumerate(rows) if not done[k] and r.temperature == 0]
+    if greedy:
+        picked = last[torch.tensor(greedy, device=last.device)].argmax(-1).tolist()
+        for k, token in zip(greedy, picked, strict=True):
+            chosen[k] = token
+    drawn = [k for k, r in enumerate(rows) if not done[k] and r.temperature != 0]
+    if drawn:  # each row scaled on its device as alone, then one copy to the host
+        scaled = torch.stack([last[k] / rows[k].temperature for k in drawn]).cpu()
+        for k, row in zip(drawn, scaled, strict=True):
+            chosen[k] = _pick(row, rows[k])
+    index = torch.tensor(chosen, device=last.device).unsqueeze(-1)
+    return chosen, last.log_softmax(-1).gather(-1, index).squeeze(-1).tolist()
+
+
+def _append(trainer: SlotTrainer, row: SampleRow, out: SampledRow, token: int, logprob: float,
+            done: list[bool], i: int) -> None:  # fmt: skip
+    """Add a row's token; mark the row done at a stop token, a stop string or its
+    ``max_tokens``."""
+    out.tokens.append(token)
+    out.logprobs.append(logprob)
+    if token in row.stop_ids or (
+        row.stop_strings
+        and any(s in trainer.tokenizer.decode(out.tokens) for s in row.stop_strings)
+    ):
+        done[i] = out.stopped = True
+    elif len(out.tokens) >= row.max_tokens:
+        done[i] = True
+
+
+def _kept(batch: list[int], done: list[bool]) -> list[int] | None:
+    """The batch positions to keep once at most half of the batch is generating (at least
+    one: under torchrun a rank whose rows stopped steps on with the others); else None."""
+    live = [k for k, i in enumerate(batch) if not done[i]]
+    if len(batch) == 1 or 2 * len(live) > len(batch):
+        return None
+    return live or [0]
+
+
 def _all_done(trainer: SlotTrainer, done: list[bool]) -> bool:
     """Every row of every rank stopped (collective under torchrun: one small sum)."""
     left = torch.tensor([float(sum(not d for d in done))])
@@ -282,12 +375,9 @@ def _all_done(trainer: SlotTrainer, done: list[bool]) -> bool:
     return bool(left.item() == 0)
 
 
-def _pick(logits: torch.Tensor, row: SampleRow) -> int:
-    """The next token of one row: argmax at temperature 0, else a draw from the
-    temperature-scaled distribution cut to ``top_k`` and the ``top_p`` nucleus."""
-    if row.temperature == 0:
-        return int(torch.argmax(logits))
-    scaled = (logits / row.temperature).cpu()
+def _pick(scaled: torch.Tensor, row: SampleRow) -> int:
+    """The next token of one row at a temperature above 0: a draw from its
+    temperature-scaled logits (on the host), cut to ``top_k`` and the ``top_p`` nucleus."""
     if 0 < row.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, row.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
