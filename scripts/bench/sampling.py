@@ -23,7 +23,9 @@ one long-prompt decode against ``transformers`` ``generate``.
   a Qwen2 of 26 M parameters built on the fly (per-token overhead against compute).
   ``generate`` copies the prompt to every sequence before its prefill; ``sample_tokens``
   prefills it once (``group``; ``group_unshared``: one prefill per sample, for
-  comparison). Each figure is the median of ``--repeats`` runs after one warm-up, the
+  comparison). The slot's rows also against ``generate`` of the same adapter as an
+  unmerged PEFT LoRA in the model's dtype (``generate_peft``: the same adapter products,
+  one adapter). Each figure is the median of ``--repeats`` runs after one warm-up, the
   calls interleaved.
 
 Prints one JSON line with the ratios of this run. ``--smoke``: the decode part on the tiny
@@ -174,6 +176,27 @@ def plain_copy(trainer: Any) -> Any:
     return plain
 
 
+def peft_copy(trainer: Any, slot: int) -> Any:
+    """The plain copy with ``slot``'s adapter as an unmerged PEFT LoRA in the model's dtype
+    (the products ``sample_tokens`` computes for that slot, one adapter)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from veoptim.lora.slots.routing import slot_adapter_name, slot_layers
+
+    layers, name = slot_layers(trainer.model), slot_adapter_name(slot)
+    spec = next(iter(layers.values())).specs[name]
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=0.0,
+                        target_modules=list(layers))  # fmt: skip
+    model = get_peft_model(plain_copy(trainer), config, autocast_adapter_dtype=False)
+    with torch.no_grad():
+        for fqn, layer in layers.items():
+            peft_layer = model.base_model.model.get_submodule(fqn)
+            peft_layer.lora_A["default"].weight.copy_(layer.lora_A[name].weight[: spec.r])
+            peft_layer.lora_B["default"].weight.copy_(layer.lora_B[name].weight[:, : spec.r])
+    return model.eval()
+
+
 def decode_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One model's long-prompt decode and group against ``generate``."""
     import torch
@@ -191,7 +214,7 @@ def decode_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, A
                                 "serve.tokenizer_cache="])  # fmt: skip
     trainer = SlotTrainer.from_config(cfg)
     trainer.create_slot(0, r=DECODE_RANK, seed=0)
-    plain = plain_copy(trainer)
+    plain, adapted = plain_copy(trainer), peft_copy(trainer, 0)
     vocab = trainer.model.config.vocab_size
     prompt = torch.randint(3, vocab, (args.prompt_tokens,),
                            generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
@@ -211,18 +234,20 @@ def decode_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, A
         return time.perf_counter() - start, tokens
 
     calls = {"generate": lambda k: generate(0), "base": lambda k: ours(None),
-             "slot": lambda k: ours(0), "generate_group": lambda k: generate(group),
+             "generate_peft": lambda k: generate(0, adapted), "slot": lambda k: ours(0),
+             "generate_group": lambda k: generate(group),
+             "generate_peft_group": lambda k: generate(group, adapted),
              "group": ours_group}  # fmt: skip
     if "share_prefill" in inspect.signature(sample_tokens).parameters:
         calls["group_unshared"] = lambda k: ours_group(k, share_prefill=False)
 
-    def generate(sampled: int) -> tuple[float, list[int]]:
+    def generate(sampled: int, model: Any = plain) -> tuple[float, list[int]]:
         extra = ({"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                   "num_return_sequences": sampled} if sampled else
                  {"do_sample": False, "temperature": None, "top_k": None, "top_p": None})  # fmt: skip
         start = time.perf_counter()
         with torch.no_grad():
-            out = plain.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
                                  use_cache=True, **extra)  # fmt: skip
         return time.perf_counter() - start, out[0, len(prompt) :].tolist()
@@ -240,16 +265,19 @@ def decode_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, A
     return {
         "parameters": sum(p.numel() for p in plain.parameters()),
         "prompt_tokens": args.prompt_tokens, "new_tokens": n, "group": group,
-        "same_tokens": tokens["base"] == tokens["generate"] == tokens["slot"],
+        "same_tokens": tokens["base"] == tokens["generate"] == tokens["slot"]
+                       == tokens["generate_peft"],
         "seconds": {label: round(v, 4) for label, v in s.items()},
-        "tokens_per_s": {"generate": round(n / s["generate"], 1),
-                         "base": round(n / s["base"], 1), "slot": round(n / s["slot"], 1),
-                         **{label: round(group * n / s[label], 1)
-                            for label in s if "group" in label}},
+        "tokens_per_s": {label: round((group if "group" in label else 1) * n / v, 1)
+                         for label, v in s.items()},
         "time_ratio_vs_generate": {"base": round(s["base"] / s["generate"], 3),
                                    "slot": round(s["slot"] / s["generate"], 3),
                                    **{label: round(s[label] / s["generate_group"], 3)
                                       for label in s if label.startswith("group")}},
+        "time_ratio_vs_peft_generate": {
+            "slot": round(s["slot"] / s["generate_peft"], 3),
+            **{label: round(s[label] / s["generate_peft_group"], 3)
+               for label in s if label.startswith("group")}},
     }  # fmt: skip
 
 

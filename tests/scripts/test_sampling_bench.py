@@ -1,6 +1,7 @@
 """scripts/bench/sampling.py: the decode part's sides compute the same greedy tokens (the
-sampler through the base and through a slot, and ``transformers`` ``generate`` on the
-served base's weights), and its report carries the ratios of one run."""
+sampler through the base and through a slot, ``transformers`` ``generate`` on the served
+base's weights and on the slot's adapter as a PEFT LoRA), and its report carries the
+ratios of one run."""
 
 from __future__ import annotations
 
@@ -23,5 +24,6 @@ def test_smoke_decode_matches_generate_and_reports_ratios(tmp_path):
     assert tiny["same_tokens"]
     ratios = tiny["time_ratio_vs_generate"]
     assert set(ratios) == {"base", "slot", "group", "group_unshared"}
+    assert set(tiny["time_ratio_vs_peft_generate"]) == {"slot", "group", "group_unshared"}
     assert all(r > 0 for r in ratios.values())
     assert tiny["tokens_per_s"]["group"] > 0 and tiny["new_tokens"] == 8
