@@ -432,9 +432,19 @@ def run_clients(commands: list[list[str]], outs: list[Path], start_file: Path,
         time.sleep(0.05)
     server_cpu = cpu_seconds(server_pid)
     start_file.touch()
-    for p in procs:
-        p.wait(600)
-    return [json.loads(o.read_text()) for o in outs], cpu_seconds(server_pid) - server_cpu
+    deadline = time.monotonic() + 600
+    while not all(o.exists() for o in outs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError("a client process failed")
+        time.sleep(0.05)
+    server_cpu = cpu_seconds(server_pid) - server_cpu
+    for p in procs:  # the SDK's close can leave a heartbeat thread running: not measured
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return [json.loads(o.read_text()) for o in outs], server_cpu
 
 
 def summary(results: list[dict[str, Any]], server_cpu: float) -> dict[str, Any]:

@@ -90,6 +90,16 @@ def test_limits_sessions_and_metrics(small):
         }
         late = http.post("/optim_step", json={"model_id": model, "seq_id": 8, "adam_params": {}})
         assert late.status_code == 400 and "unloaded" in late.json()["detail"]
+        # The expired session is gone: 410, the answer that stops the SDK's heartbeat loop
+        # (any other status makes it retry, and warn, for as long as the process lives).
+        beat = http.post("/session_heartbeat", json={"session_id": session})
+        assert beat.status_code == 410, beat.text
+        assert beat.json()["detail"] == f"session_id {session!r} is finished (expired)."
+        reuse = http.post("/create_model", json={
+            "session_id": session, "model_seq_id": 2, "base_model": BASE_MODEL,
+            "lora_config": {"rank": 2},
+        })  # fmt: skip
+        assert reuse.status_code == 410 and "is finished" in reuse.json()["detail"]
 
     lines = [
         json.loads(line) for line in (small.run_dir / "metrics.jsonl").read_text().splitlines()

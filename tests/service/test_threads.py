@@ -1,5 +1,5 @@
 """The server's thread count (``serve.threads``) and the scheduler's config keys: auto
-leaves a core of each rank's share to the rest and honours ``OMP_NUM_THREADS``; an explicit
+gives each rank its share of the usable cores and honours ``OMP_NUM_THREADS``; an explicit
 setting wins; bad values are refused in one line before anything loads."""
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from veoptim.service.threads import server_threads
 @pytest.mark.parametrize(
     ("setting", "env", "cores", "want"),
     [
-        (0, {}, 2, 1),  # this VM: one thread, one core left to the HTTP loop and clients
-        (0, {}, 16, 15),
-        (0, {"LOCAL_WORLD_SIZE": "4"}, 16, 3),
+        (0, {}, 2, 2),  # this VM: both cores
+        (0, {}, 16, 16),
+        (0, {"LOCAL_WORLD_SIZE": "4"}, 16, 4),
         (0, {"LOCAL_WORLD_SIZE": "8"}, 8, 1),
+        (0, {"LOCAL_WORLD_SIZE": "4"}, 2, 1),  # more ranks than cores: one each, never 0
         (0, {}, 1, 1),
         (0, {"OMP_NUM_THREADS": "6"}, 16, 6),
         (3, {"OMP_NUM_THREADS": "6"}, 16, 3),
-        (0, {"OMP_NUM_THREADS": ""}, 4, 3),
+        (0, {"OMP_NUM_THREADS": ""}, 4, 4),
     ],
 )
 def test_server_threads(setting, env, cores, want):

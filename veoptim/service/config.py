@@ -54,8 +54,7 @@ class ServeSection:
     threads: int = opt(
         0,
         "torch intra-op threads of the server (each rank under torchrun); 0 = auto: "
-        "OMP_NUM_THREADS if set, else the usable cores per rank less one (at least 1), "
-        "leaving a core to the HTTP loop and clients.",
+        "OMP_NUM_THREADS if set, else the usable cores per rank on the host (at least 1).",
     )
     max_request_bytes: int = opt(64_000_000, "Largest request body accepted (bytes).")
     max_datums: int = opt(1024, "Most datums in one forward_backward request.")

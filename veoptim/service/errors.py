@@ -39,6 +39,14 @@ class TooLarge(ServiceError):
         super().__init__(message, status=413)
 
 
+class Gone(ServiceError):
+    """A session that finished (closed, or expired without heartbeats): 410, which is how
+    the SDK's heartbeat loop learns to stop."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=410)
+
+
 class Unavailable(ServiceError):
     """The server drains (SIGTERM) or lost a rank: try again elsewhere or later."""
 

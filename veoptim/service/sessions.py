@@ -19,7 +19,7 @@ from typing import Any
 from veoptim.service.backend import Backend
 from veoptim.service.db import Database, ModelStatus
 from veoptim.service.engine import Engine, Op
-from veoptim.service.errors import NotFound, ServiceError
+from veoptim.service.errors import Gone, NotFound
 from veoptim.service.futures import Future
 from veoptim.service.sampler import Samplers
 
@@ -52,7 +52,7 @@ class Sessions:
         if row is None:
             raise NotFound(f"{field} {session_id!r} is not a session of this tenant.")
         if row["finished"] is not None:
-            raise ServiceError(f"{field} {session_id!r} is finished ({row['finish_reason']}).")
+            raise Gone(f"{field} {session_id!r} is finished ({row['finish_reason']}).")
         with self._lock:
             self._open[session_id] = tenant_id
         return session_id

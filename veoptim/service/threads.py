@@ -1,11 +1,12 @@
 """The server's torch threads (``serve.threads``): chosen on purpose, not left to torch.
 
-torch's default intra-op pool has a thread per core in every process, and its idle OpenMP
-threads spin. A server shares its cores with the HTTP loop, the clients on the same
-machine and the other ranks of a torchrun job: measured on 2 cores with 4 SDK clients, the
-default pool did 3.65 training rounds/s where one thread did 49-50 (``forward_backward``
-0.02 s quiet became 0.45 s). ``auto`` therefore leaves one core of the rank's share to the
-rest and honours an ``OMP_NUM_THREADS`` the user set.
+torch's default gives every process a thread per core, so the ranks of a torchrun job on
+one host each take every core, and its inter-op pool adds threads of its own. ``auto``
+gives each rank its share of the cores the process may use (its CPU affinity), one
+inter-op thread, and honours an ``OMP_NUM_THREADS`` the user set. Leaving a core to the
+HTTP loop and the clients was measured and lost: on 2 cores with 1, 4 and 16 SDK clients
+on the same machine, one thread did 0.74-0.90x the rounds/s of two on a 384-wide model
+and no better on the bundled tiny one (``scripts/bench/service.py --parts threads``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def server_threads(setting: int, env: Mapping[str, str], cores: int) -> tuple[in
     if omp.isdigit() and int(omp) > 0:
         return int(omp), "OMP_NUM_THREADS"
     ranks = max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, cores // ranks - 1), f"auto: {cores} usable cores, {ranks} rank(s) on this host"
+    return max(1, cores // ranks), f"auto: {cores} usable cores, {ranks} rank(s) on this host"
 
 
 def apply_server_threads(setting: int) -> int:
