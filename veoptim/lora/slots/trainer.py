@@ -157,6 +157,19 @@ class SlotTrainer:
             self.ctx.close()
 
     @property
+    def lock(self) -> threading.RLock:
+        """Held by every pass over the model and every change of a slot (reentrant)."""
+        return self._lock
+
+    def present_slots(self, slot_ids: torch.Tensor) -> list[int]:
+        """The slots with rows on any rank (sorted; collective), each checked to exist and
+        be whole."""
+        present = self._present(slot_ids)
+        for slot in present:
+            self._slot(slot)
+        return present
+
+    @property
     def num_slots(self) -> int:
         return len(self._params)
 
