@@ -15,6 +15,7 @@ takes (``StateComponent``, ``ComponentState``, ``SavedComponent``, ``Staged``,
 versioned store's publication and readers below still start without torch.
 """
 
+from veoptim.checkpoint.layout import step_name, validate_name
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
 from veoptim.checkpoint.versions import (
     Resolved,
@@ -24,8 +25,6 @@ from veoptim.checkpoint.versions import (
     resolve_path,
     resolve_reference,
     resolve_version,
-    step_name,
-    validate_name,
 )
 from veoptim.lazy import lazy_names
 

@@ -63,8 +63,9 @@ from veoptim.checkpoint.faults import (
     PHASE_WRITER,
     FaultHook,
 )
+from veoptim.checkpoint.layout import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher, fire
-from veoptim.checkpoint.versions import KIND_CHECKPOINT, Resolved, latest_complete, resolve_agreed
+from veoptim.checkpoint.versions import Resolved, latest_complete, resolve_agreed
 from veoptim.distributed.agreement import agreed, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 

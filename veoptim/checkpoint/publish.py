@@ -73,7 +73,7 @@ from veoptim.checkpoint.faults import (
     PHASE_WRITTEN,
     FaultHook,
 )
-from veoptim.checkpoint.versions import (
+from veoptim.checkpoint.layout import (
     KIND_CHECKPOINT,
     Manifest,
     build_manifest,

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from veoptim.checkpoint import component as C
 from veoptim.checkpoint import storage
-from veoptim.checkpoint.versions import MANIFEST_FILE
+from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.errors import CheckpointError
 
 

@@ -27,13 +27,8 @@ from veoptim.checkpoint.component import (
     read_json,
     saved_inventory,
 )
-from veoptim.checkpoint.versions import (
-    VERSIONS_DIR,
-    latest_complete,
-    manifest_path,
-    read_manifest,
-    resolve_path,
-)
+from veoptim.checkpoint.layout import VERSIONS_DIR, manifest_path, read_manifest
+from veoptim.checkpoint.versions import latest_complete, resolve_path
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import load_tokenizer, special_token_ids
 from veoptim.errors import CheckpointError
