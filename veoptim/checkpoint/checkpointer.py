@@ -64,7 +64,7 @@ from veoptim.checkpoint.faults import (
     FaultHook,
 )
 from veoptim.checkpoint.layout import KIND_CHECKPOINT
-from veoptim.checkpoint.publish import PendingVersion, Published, Publisher, fire
+from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
 from veoptim.checkpoint.versions import Resolved, latest_complete, resolve_agreed
 from veoptim.distributed.agreement import agreed, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
@@ -127,6 +127,11 @@ class Checkpointer:
     def fault_hook(self, hook: FaultHook | None) -> None:
         self.publisher.fault_hook = hook
 
+    def _reached(self, phase: str) -> None:
+        """The checkpointer's own phases (``faults.SAVE_PHASES``, ``LOAD_PHASES``)."""
+        if self.fault_hook is not None:
+            self.fault_hook(phase)
+
     # ------------------------------------------------------------------ save
     def save(
         self,
@@ -159,10 +164,10 @@ class Checkpointer:
         publisher = self.publisher if within is None else self.publisher.under(within)
         pending = publisher.begin(name, kind=KIND_CHECKPOINT, step=step)
         with pending.agreed("gathering state"):
-            fire(self.fault_hook, PHASE_GATHER)
+            self._reached(PHASE_GATHER)
             states = {key: component.state() for key, component in components.items()}
         with pending.agreed("creating the writer"):
-            fire(self.fault_hook, PHASE_WRITER)
+            self._reached(PHASE_WRITER)
             writer = storage.tensor_writer(
                 pending.path / DCP_DIR,
                 storage_format=self.storage_format,
@@ -183,7 +188,7 @@ class Checkpointer:
                 async_group=self.async_group,
                 asynchronous=async_save,
             )
-            fire(self.fault_hook, PHASE_WRITE)
+            self._reached(PHASE_WRITE)
         except Exception as exc:
             error = exc
         if future is not None and error is None:
@@ -303,16 +308,16 @@ class Checkpointer:
     def _load(self, components: Components, path: Path, exact: bool) -> int:
         with agreed(f"validating checkpoint {path}", self.group):
             staged, step, metadata = self._stage(components, path, exact)
-            fire(self.fault_hook, PHASE_VALIDATE)
+            self._reached(PHASE_VALIDATE)
         with agreed(f"reading checkpoint {path}", self.group):
             self._read(staged, path, metadata)
-            fire(self.fault_hook, PHASE_READ)
+            self._reached(PHASE_READ)
         try:
             with agreed(f"applying checkpoint {path}", self.group):
-                fire(self.fault_hook, PHASE_APPLY)
+                self._reached(PHASE_APPLY)
                 for name, loaded in staged.items():
                     loaded.install()
-                    fire(self.fault_hook, f"{PHASE_APPLY}:{name}")
+                    self._reached(f"{PHASE_APPLY}:{name}")
         except CheckpointError as exc:
             raise LiveStateInvalidError(
                 f"{exc} The live state may now be partly loaded and is not valid: this run "

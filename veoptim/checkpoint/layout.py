@@ -271,12 +271,9 @@ def build_manifest(
     )
 
 
-def write_manifest(version: Path, manifest: Manifest) -> Path:
-    """Write the manifest (unflushed: the publisher flushes it with the directories, one
-    merged flush instead of a temporary file's fsync, rename and directory fsync)."""
-    final = manifest_path(version)
-    final.write_bytes(json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode())
-    return final
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The bytes of ``manifest.json`` for ``manifest``."""
+    return json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode()
 
 
 def _parse(raw: Any, where: Path) -> Manifest:

@@ -21,9 +21,10 @@ from typing import Any
 
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import StateComponent, read_info
+from veoptim.checkpoint.disk import remove_root
 from veoptim.checkpoint.faults import FaultHook
 from veoptim.checkpoint.layout import is_within, published_names, validate_name
-from veoptim.checkpoint.publish import Published, remove_root
+from veoptim.checkpoint.publish import Published
 from veoptim.checkpoint.versions import newest_complete, resolve, resolve_path
 from veoptim.distributed.agreement import on_rank0
 from veoptim.errors import CheckpointError
