@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,9 @@ from veoptim.checkpoint.component import (
     JSON_PER_RANK,
     JSON_SHARED,
     ComponentState,
+    Inventory,
     SavedComponent,
+    SavedEntry,
     Staged,
     StateComponent,
     check_component_name,
@@ -50,6 +53,7 @@ from veoptim.checkpoint.component import (
     compare_inventory,
     prefixed,
     rank_json_path,
+    read_info,
     read_json,
     saved_inventory,
     shared_json_path,
@@ -65,7 +69,8 @@ from veoptim.checkpoint.faults import (
 )
 from veoptim.checkpoint.layout import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
-from veoptim.checkpoint.versions import Resolved, latest_complete, resolve_agreed
+from veoptim.checkpoint.reader import CheckpointRead, read_checkpoint
+from veoptim.checkpoint.versions import Resolved, latest_complete, locate
 from veoptim.distributed.agreement import agreed, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 
@@ -76,6 +81,31 @@ Components = Mapping[str, StateComponent]
 #: save throughput of one on the development VM (docs/benchmarks.md).
 DEFAULT_WRITE_THREADS = 2
 DEFAULT_FORMAT = storage.FORMAT_RAW
+
+
+@dataclass(frozen=True)
+class CheckpointDescription(Resolved):
+    """What :meth:`Checkpointer.resolve` found: the complete version (``Resolved``: the
+    name, path, run and step, from the one verified read of its manifest) and what its
+    ``checkpoint.json`` records: whether it is weights-only and each component with the
+    kinds of state it saved."""
+
+    weights_only: bool = False
+    components: tuple[SavedEntry, ...] = ()
+
+
+def describe(resolved: Resolved) -> CheckpointDescription:
+    """``resolved`` with what its ``checkpoint.json`` records (checked: a version that is
+    not a training checkpoint, e.g. an export, is a ``CheckpointError``)."""
+    info = read_info(resolved.path)
+    return CheckpointDescription(
+        resolved.name,
+        resolved.path,
+        resolved.run,
+        resolved.step,
+        weights_only=info.weights_only,
+        components=info.entries,
+    )
 
 
 class Checkpointer:
@@ -271,15 +301,38 @@ class Checkpointer:
             self.group,
         )
 
-    def resolve(self, ref: str, *, run: str | None = None) -> Resolved | None:
+    def resolve(self, ref: str, *, run: str | None = None) -> CheckpointDescription | None:
         """The version of ``ref`` (``auto`` = the newest complete checkpoint ``run``
         published, any run's when None; or a name or a path, whoever wrote it), resolved
-        once on rank 0 and agreed; None for ``auto`` when there is none."""
-        return resolve_agreed(self.root, ref, self.group, run=run)
+        once on rank 0 (its manifest read and verified once) and agreed, described; None
+        for ``auto`` when there is none."""
+
+        def find() -> CheckpointDescription | None:
+            resolved = locate(self.root, ref, run=run)
+            return None if resolved is None else describe(resolved)
+
+        return on_rank0(find, f"resolving checkpoint {ref!r}", self.group)
+
+    def read(
+        self,
+        checkpoint: Resolved | Path,
+        tensors: Mapping[str, Inventory | None] | None = None,
+        *,
+        json: Collection[str] = (),
+        needs: Collection[str] = (),
+    ) -> CheckpointRead:
+        """Validate a resolved version (:meth:`resolve`'s, or its directory) and read the
+        tensors of the components in ``tensors`` (each its expected inventory, or None for
+        whatever it saved) and the JSON of those in ``json`` (``needs``: components that
+        must be saved, though nothing of them is read), without applying them to
+        anything (``reader.py``; this process alone). Nothing is read if anything does not
+        match: one ``CheckpointError``."""
+        path = checkpoint.path if isinstance(checkpoint, Resolved) else Path(checkpoint)
+        return read_checkpoint(path, tensors, json=json, needs=needs, rank=rank(self.group))
 
     def restore(
         self, components: Components, ref: str, *, exact: bool = True, run: str | None = None
-    ) -> tuple[Resolved, int] | None:
+    ) -> tuple[CheckpointDescription, int] | None:
         """Resolve ``ref`` once (agreed; ``run`` as for :meth:`resolve`) and load it into
         ``components``: the version and its step, or None for ``auto`` when there is no
         complete checkpoint of ``run``. ``exact`` as for :meth:`load`."""

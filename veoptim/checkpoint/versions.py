@@ -251,6 +251,11 @@ def locate(root: Path, ref: str, *, run: str | None = None) -> Resolved | None:
     return None if found is None else _described(*found)
 
 
+def locate_path(path: Path) -> Resolved:
+    """:func:`resolve_path`, described as :func:`locate` describes (one manifest read)."""
+    return _described(str(path), _resolve_path(Path(path), verify_checksums=True))
+
+
 def resolve_agreed(
     root: Path, ref: str, group: Any = None, *, run: str | None = None
 ) -> Resolved | None:
