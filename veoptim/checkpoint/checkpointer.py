@@ -137,6 +137,7 @@ class Checkpointer:
         self.publisher = Publisher(
             root, keep_last=keep_last, fsync=fsync, group=group, fault_hook=fault_hook
         )
+        self._fault_hook = fault_hook
         self._in_flight: tuple[PendingVersion, Future] | None = None
 
     @property
@@ -151,16 +152,16 @@ class Checkpointer:
     @property
     def fault_hook(self) -> FaultHook | None:
         """Called at every save and load phase (tests inject faults with it)."""
-        return self.publisher.fault_hook
+        return self._fault_hook
 
     @fault_hook.setter
     def fault_hook(self, hook: FaultHook | None) -> None:
-        self.publisher.fault_hook = hook
+        self._fault_hook = self.publisher.fault_hook = hook
 
     def _reached(self, phase: str) -> None:
         """The checkpointer's own phases (``faults.SAVE_PHASES``, ``LOAD_PHASES``)."""
-        if self.fault_hook is not None:
-            self.fault_hook(phase)
+        if self._fault_hook is not None:
+            self._fault_hook(phase)
 
     # ------------------------------------------------------------------ save
     def save(
