@@ -14,9 +14,10 @@ from tests.checkpoint.helpers.payload import check_payload, write_payload
 from veoptim.checkpoint import layout
 from veoptim.checkpoint import versions as readers
 from veoptim.checkpoint.faults import PHASE_RETENTION
-from veoptim.checkpoint.layout import CHECKSUM_MAX_BYTES, is_within, read_link, read_manifest
+from veoptim.checkpoint.layout import CHECKSUM_MAX_BYTES, read_link, read_manifest
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.versions import (
+    is_within,
     latest_complete,
     resolve,
     resolve_agreed,

@@ -232,11 +232,6 @@ def scan_tree(version: Path) -> tuple[dict[str, int], list[str]]:
     return found, dirs
 
 
-def scan_files(version: Path) -> dict[str, int]:
-    """The files of :func:`scan_tree`."""
-    return scan_tree(version)[0]
-
-
 def build_manifest(
     version: Path,
     *,
@@ -254,7 +249,7 @@ def build_manifest(
     SHA-256 of files whose bytes the caller wrote itself (not read back)."""
     known = known_sha256 or {}
     entries = {}
-    for rel, size in sorted((scan_files(version) if files is None else files).items()):
+    for rel, size in sorted((scan_tree(version)[0] if files is None else files).items()):
         digest = None
         if size <= CHECKSUM_MAX_BYTES:
             digest = known[rel] if rel in known else sha256_of(version / rel)
@@ -372,10 +367,3 @@ def published_names(root: Path) -> dict[str, str]:
         if version_id is not None:
             out[entry] = version_id
     return out
-
-
-def is_within(path: Path, root: Path) -> bool:
-    """True iff the real location of ``path`` is ``root``'s real location or below it
-    (a ``.versions`` that is itself a symlink must not lead a reader out of the root)."""
-    real, real_root = Path(path).resolve(), Path(root).resolve()
-    return real == real_root or real_root in real.parents

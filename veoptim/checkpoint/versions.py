@@ -19,14 +19,13 @@ from veoptim.checkpoint.layout import (
     KIND_CHECKPOINT,
     VERSIONS_DIR,
     Manifest,
-    is_within,
     link_path,
     manifest_path,
     names_in,
     published_names,
     read_link,
     read_manifest,
-    scan_files,
+    scan_tree,
     sha256_of,
     version_dir,
 )
@@ -49,6 +48,18 @@ class Resolved:
     path: Path
     run: str | None
     step: int | None
+
+
+def is_within(path: Path, root: Path) -> bool:
+    """True iff the real location of ``path`` is ``root``'s real location or below it
+    (a ``.versions`` that is itself a symlink must not lead a reader out of the root)."""
+    real, real_root = Path(path).resolve(), Path(root).resolve()
+    return real == real_root or real_root in real.parents
+
+
+def scan_files(version: Path) -> dict[str, int]:
+    """The files of :func:`scan_tree`."""
+    return scan_tree(version)[0]
 
 
 def verify(version: Path, manifest: Manifest, *, checksums: bool = True) -> None:
