@@ -60,6 +60,8 @@ class _FaultingFiles:
         self.files.reached(phase)
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("files", "hook"):  # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
         return getattr(self.files, name)
 
 
