@@ -13,13 +13,10 @@ or, when the caller writes in stages of its own, or in the background (``dcp.asy
     pending.write_files({pending.path / "a.json": data})   # small files, noted and flushed
     pending.finish(error_or_none)                           # collective: publish
 
-The phases (prepare, write, manifest, flush, point, retain) and their agreements are
-described in docs/checkpoints.md; a failure leaves the previous version of the name
-published and every rank raises the same ``CheckpointError``.
-
-Every change to the root goes through the storage seam (``disk.StoreFiles``; by default
-``disk.LocalFiles``): tests pass one that records or fails operations, and a
-``fault_hook`` wraps it (``faults.with_faults``) to inject faults at the named phases.
+The phases (prepare, write, manifest, flush, point, retain; docs/checkpoints.md) read top
+to bottom below; a failure leaves the name on its previous version and every rank raises
+the same ``CheckpointError``. Every change to the root goes through the storage seam
+(``disk.StoreFiles``), which a ``fault_hook`` wraps (``faults.with_faults``).
 """
 
 from __future__ import annotations
