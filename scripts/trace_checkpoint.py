@@ -1,14 +1,17 @@
-"""Which library files one save and one resume pass through, and how often they call across files.
+"""Which library files a save, a resume, a slot save and a slot load pass through, and how
+often they call across files.
 
 A newcomer reading a save or a resume follows the calls file by file; this measures that
 path on the bundled tiny model (one process, CPU): every Python call made while
 ``Trainer.save_checkpoint`` runs, then while a fresh trainer's ``Trainer.resume`` loads
-that checkpoint, recorded with ``sys.setprofile``. Prints JSON: per operation, the files
-of ``veoptim/`` entered (grouped as checkpoint files outside the DCP storage, the
-distributed agreement they end their phases in, the DCP storage, and the rest), which
-files call into the storage and which storage files they enter (its door: the
-``storage`` package's own functions), and the number of distinct caller -> callee file
-edges between them.
+that checkpoint, then while a ``SlotTrainer`` saves a slot (``save_slot``) and loads it
+into another (``load_slot``), recorded with ``sys.setprofile``. Prints JSON: per
+operation, the files of ``veoptim/`` entered (grouped as checkpoint files outside the DCP
+storage, the distributed agreement they end their phases in, the DCP storage, and the
+rest; ``checkpoint_file_count`` counts the first group), which files call into the storage
+and which storage files they enter (its door: the ``storage`` package's own functions),
+the number of distinct caller -> callee file edges between them, and how many times a
+version was verified against its manifest (``versions.verify``).
 
     .venv/bin/python scripts/trace_checkpoint.py
 """
@@ -25,7 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tasks.compose import load_config  # noqa: E402
+from veoptim.checkpoint import versions  # noqa: E402
 from veoptim.distributed import init_distributed  # noqa: E402
+from veoptim.lora.slots import MultiLoRAConfig, SlotTrainer  # noqa: E402
 from veoptim.trainer import Trainer  # noqa: E402
 
 LIBRARY = REPO / "veoptim"
@@ -47,10 +52,16 @@ OVERRIDES = [
 ]
 
 
-def trace(call: Callable[[], object]) -> tuple[set[str], set[tuple[str, str]]]:
-    """The library files entered during ``call()`` and the cross-file call edges."""
+#: The function that checks a version against its manifest (one call per verification).
+VERIFY = versions.verify.__code__
+
+
+def trace(call: Callable[[], object]) -> tuple[set[str], set[tuple[str, str]], int]:
+    """The library files entered during ``call()``, the cross-file call edges and the
+    number of manifest verifications."""
     files: set[str] = set()
     edges: set[tuple[str, str]] = set()
+    verifications = 0
 
     def library_file(frame) -> str | None:
         path = Path(frame.f_code.co_filename)
@@ -60,8 +71,10 @@ def trace(call: Callable[[], object]) -> tuple[set[str], set[tuple[str, str]]]:
             return None
 
     def profile(frame, event, arg) -> None:
+        nonlocal verifications
         if event != "call":
             return
+        verifications += frame.f_code is VERIFY
         callee = library_file(frame)
         if callee is None:
             return
@@ -77,16 +90,18 @@ def trace(call: Callable[[], object]) -> tuple[set[str], set[tuple[str, str]]]:
         call()
     finally:
         sys.setprofile(None)
-    return files, edges
+    return files, edges, verifications
 
 
-def summary(files: set[str], edges: set[tuple[str, str]]) -> dict:
+def summary(files: set[str], edges: set[tuple[str, str]], verifications: int) -> dict:
     storage = sorted(f for f in files if f.startswith(STORAGE))
     checkpoint = sorted(f for f in files if f.startswith(CHECKPOINT) and f not in storage)
     mechanism = checkpoint + sorted(f for f in files if f == AGREEMENT)
     into_storage = {(a, b) for a, b in edges if b in storage and a not in storage}
     return {
         "checkpoint_files": checkpoint,
+        "checkpoint_file_count": len(checkpoint),
+        "manifest_verifications": verifications,
         "agreement_files": sorted(f for f in files if f == AGREEMENT),
         "storage_files": storage,
         "callers_into_storage": sorted({a for a, _ in into_storage}),
@@ -96,6 +111,14 @@ def summary(files: set[str], edges: set[tuple[str, str]]) -> dict:
             1 for a, b in edges if a in mechanism + storage and b in mechanism + storage
         ),
     }
+
+
+def slot_trainer(run_dir: str) -> SlotTrainer:
+    """A ``SlotTrainer`` of the bundled tiny model with two slots, on CPU."""
+    cfg = MultiLoRAConfig()
+    cfg.run.dir, cfg.run.device = run_dir, "cpu"
+    cfg.lora.num_slots = 2
+    return SlotTrainer.from_config(cfg)
 
 
 def main() -> None:
@@ -109,7 +132,17 @@ def main() -> None:
         )
         fresh = Trainer.from_config(resume_cfg, init_distributed("cpu", "auto", {}))
         resumed = summary(*trace(fresh.resume))
-    print(json.dumps({"save": saved, "resume": resumed}, indent=1))
+        slots = slot_trainer(f"{tmp}/slots")
+        slots.create_slot(0)
+        slot_saved = summary(*trace(lambda: slots.save_slot(0, "traced")))
+        slot_loaded = summary(*trace(lambda: slots.load_slot(1, "traced")))
+        slots.close()
+    print(
+        json.dumps(
+            {"save": saved, "resume": resumed, "slot_save": slot_saved, "slot_load": slot_loaded},
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

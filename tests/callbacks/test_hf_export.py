@@ -16,7 +16,7 @@ from tasks.export import main as export_main
 from tests.checkpoint.ckpt_state import build_trainer, save_with
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.versions import read_manifest
+from veoptim.checkpoint.layout import read_manifest
 from veoptim.export.hf_format import (
     GENERATION_CONFIG_FILE,
     SAFETENSORS_FILE,

@@ -31,7 +31,7 @@ from veoptim.checkpoint import Publisher, latest_complete, resolve
 from veoptim.checkpoint import component as C
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.faults import PHASE_AFTER_REPLACE
-from veoptim.checkpoint.versions import MANIFEST_FILE
+from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 from veoptim.state import LR_SCHEDULER, MODEL
 

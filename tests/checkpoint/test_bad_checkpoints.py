@@ -35,8 +35,8 @@ from tests.checkpoint.helpers.pickles import dangerous_payloads
 from veoptim.checkpoint import Publisher, resolve, step_name
 from veoptim.checkpoint import component as C
 from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.checkpoint.storage.safe_dcp import ALLOWED_GLOBALS, read_dcp_metadata
-from veoptim.checkpoint.versions import MANIFEST_FILE
 from veoptim.errors import CheckpointError
 from veoptim.state import MODEL, OPTIMIZER, SAMPLER
 from veoptim.trainer import Trainer

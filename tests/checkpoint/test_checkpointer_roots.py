@@ -18,7 +18,8 @@ import torch
 
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged, TensorSpec
-from veoptim.checkpoint.versions import VERSIONS_DIR, latest_complete, published_names
+from veoptim.checkpoint.layout import VERSIONS_DIR, published_names
+from veoptim.checkpoint.versions import latest_complete
 from veoptim.errors import CheckpointError
 
 pytestmark = pytest.mark.starts_processes

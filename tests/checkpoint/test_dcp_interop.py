@@ -21,7 +21,7 @@ from tests.checkpoint.helpers import ckpt_io
 from veoptim.checkpoint import component as C
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.versions import read_manifest
+from veoptim.checkpoint.layout import read_manifest
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:

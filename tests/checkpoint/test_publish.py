@@ -11,15 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.helpers.payload import check_payload, write_payload
-from veoptim.checkpoint import versions as layout
+from veoptim.checkpoint import layout
+from veoptim.checkpoint import versions as readers
 from veoptim.checkpoint.faults import PHASE_RETENTION
+from veoptim.checkpoint.layout import CHECKSUM_MAX_BYTES, read_link, read_manifest
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.versions import (
-    CHECKSUM_MAX_BYTES,
     is_within,
     latest_complete,
-    read_link,
-    read_manifest,
     resolve,
     resolve_agreed,
     resolve_path,
@@ -396,13 +395,13 @@ def test_auto_resolves_once_and_checks_one_manifest(tmp_path: Path, monkeypatch)
     save(pub, layout.step_name(1), 1)
     newest = save(pub, layout.step_name(2), 2)
     checked: list[Path] = []
-    real_verify = layout.verify
+    real_verify = readers.verify
 
     def counting(version: Path, *args, **kwargs) -> None:
         checked.append(Path(version))
         real_verify(version, *args, **kwargs)
 
-    monkeypatch.setattr(layout, "verify", counting)
+    monkeypatch.setattr(readers, "verify", counting)
     assert resolve_agreed(tmp_path, "auto").path == newest
     assert checked == [newest]
     checked.clear()

@@ -14,8 +14,9 @@ import pytest
 from tests.checkpoint.test_checkpointer_roots import Counter
 from tests.checkpoint.test_publish import save
 from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.layout import published_names
 from veoptim.checkpoint.publish import Publisher
-from veoptim.checkpoint.versions import published_names, resolve
+from veoptim.checkpoint.versions import resolve
 from veoptim.errors import CheckpointError
 
 

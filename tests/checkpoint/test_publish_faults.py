@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoint.helpers.payload import write_payload
-from veoptim.checkpoint import versions as layout
+from veoptim.checkpoint import layout
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.versions import resolve
 

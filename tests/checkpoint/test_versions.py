@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from veoptim.checkpoint import versions as layout
+from veoptim.checkpoint import layout
 from veoptim.errors import CheckpointError
 
 GOOD_NAMES = ["step_00000100", "best", "hf_final", "run-3.lora", "A1", "x" * layout.NAME_MAX_LEN]

@@ -19,8 +19,8 @@ from tests.checkpoint.ckpt_state import build_trainer, save_with
 from veoptim.checkpoint import resolve, storage
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import TensorSpec, shared_json_path
+from veoptim.checkpoint.layout import MANIFEST_FILE, VERSIONS_DIR
 from veoptim.checkpoint.publish import Publisher
-from veoptim.checkpoint.versions import MANIFEST_FILE, VERSIONS_DIR
 from veoptim.errors import CheckpointError, ConfigError
 from veoptim.export import (
     FORMATS,

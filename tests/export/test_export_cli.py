@@ -21,7 +21,7 @@ from tests import forkserver
 from tests.checkpoint.ckpt_state import build_trainer, save_with
 from veoptim.checkpoint import resolve
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.versions import MANIFEST_FILE
+from veoptim.checkpoint.layout import MANIFEST_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ import pytest
 
 from tests import forkserver
 from tests.conftest import REPO, run_sft_cli
-from veoptim.checkpoint.versions import latest_complete, published_names, read_manifest, resolve
+from veoptim.checkpoint.layout import published_names, read_manifest
+from veoptim.checkpoint.versions import latest_complete, resolve
 from veoptim.rundir import holder_of, read_identity
 
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ from veoptim.checkpoint import Publisher, resolve
 from veoptim.checkpoint import component as C
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged, TensorSpec
-from veoptim.checkpoint.versions import MANIFEST_FILE
+from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.config import TrainerConfig, validate_config
 from veoptim.config.schema import DataConfig
 from veoptim.data import bundled_dataset_path

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,9 @@ from veoptim.checkpoint.component import (
     JSON_PER_RANK,
     JSON_SHARED,
     ComponentState,
+    Inventory,
     SavedComponent,
+    SavedEntry,
     Staged,
     StateComponent,
     check_component_name,
@@ -50,6 +53,7 @@ from veoptim.checkpoint.component import (
     compare_inventory,
     prefixed,
     rank_json_path,
+    read_info,
     read_json,
     saved_inventory,
     shared_json_path,
@@ -63,8 +67,10 @@ from veoptim.checkpoint.faults import (
     PHASE_WRITER,
     FaultHook,
 )
-from veoptim.checkpoint.publish import PendingVersion, Published, Publisher, fire
-from veoptim.checkpoint.versions import KIND_CHECKPOINT, Resolved, latest_complete, resolve_agreed
+from veoptim.checkpoint.layout import KIND_CHECKPOINT
+from veoptim.checkpoint.publish import PendingVersion, Published, Publisher
+from veoptim.checkpoint.reader import CheckpointRead, read_checkpoint
+from veoptim.checkpoint.versions import Resolved, latest_complete, locate
 from veoptim.distributed.agreement import agreed, on_rank0, rank, world_size
 from veoptim.errors import CheckpointError, ConfigError, LiveStateInvalidError
 
@@ -75,6 +81,31 @@ Components = Mapping[str, StateComponent]
 #: save throughput of one on the development VM (docs/benchmarks.md).
 DEFAULT_WRITE_THREADS = 2
 DEFAULT_FORMAT = storage.FORMAT_RAW
+
+
+@dataclass(frozen=True)
+class CheckpointDescription(Resolved):
+    """What :meth:`Checkpointer.resolve` found: the complete version (``Resolved``: the
+    name, path, run and step, from the one verified read of its manifest) and what its
+    ``checkpoint.json`` records: whether it is weights-only and each component with the
+    kinds of state it saved."""
+
+    weights_only: bool = False
+    components: tuple[SavedEntry, ...] = ()
+
+
+def describe(resolved: Resolved) -> CheckpointDescription:
+    """``resolved`` with what its ``checkpoint.json`` records (checked: a version that is
+    not a training checkpoint, e.g. an export, is a ``CheckpointError``)."""
+    info = read_info(resolved.path)
+    return CheckpointDescription(
+        resolved.name,
+        resolved.path,
+        resolved.run,
+        resolved.step,
+        weights_only=info.weights_only,
+        components=info.entries,
+    )
 
 
 class Checkpointer:
@@ -106,6 +137,7 @@ class Checkpointer:
         self.publisher = Publisher(
             root, keep_last=keep_last, fsync=fsync, group=group, fault_hook=fault_hook
         )
+        self._fault_hook = fault_hook
         self._in_flight: tuple[PendingVersion, Future] | None = None
 
     @property
@@ -120,11 +152,16 @@ class Checkpointer:
     @property
     def fault_hook(self) -> FaultHook | None:
         """Called at every save and load phase (tests inject faults with it)."""
-        return self.publisher.fault_hook
+        return self._fault_hook
 
     @fault_hook.setter
     def fault_hook(self, hook: FaultHook | None) -> None:
-        self.publisher.fault_hook = hook
+        self._fault_hook = self.publisher.fault_hook = hook
+
+    def _reached(self, phase: str) -> None:
+        """The checkpointer's own phases (``faults.SAVE_PHASES``, ``LOAD_PHASES``)."""
+        if self._fault_hook is not None:
+            self._fault_hook(phase)
 
     # ------------------------------------------------------------------ save
     def save(
@@ -158,10 +195,10 @@ class Checkpointer:
         publisher = self.publisher if within is None else self.publisher.under(within)
         pending = publisher.begin(name, kind=KIND_CHECKPOINT, step=step)
         with pending.agreed("gathering state"):
-            fire(self.fault_hook, PHASE_GATHER)
+            self._reached(PHASE_GATHER)
             states = {key: component.state() for key, component in components.items()}
         with pending.agreed("creating the writer"):
-            fire(self.fault_hook, PHASE_WRITER)
+            self._reached(PHASE_WRITER)
             writer = storage.tensor_writer(
                 pending.path / DCP_DIR,
                 storage_format=self.storage_format,
@@ -182,7 +219,7 @@ class Checkpointer:
                 async_group=self.async_group,
                 asynchronous=async_save,
             )
-            fire(self.fault_hook, PHASE_WRITE)
+            self._reached(PHASE_WRITE)
         except Exception as exc:
             error = exc
         if future is not None and error is None:
@@ -265,15 +302,38 @@ class Checkpointer:
             self.group,
         )
 
-    def resolve(self, ref: str, *, run: str | None = None) -> Resolved | None:
+    def resolve(self, ref: str, *, run: str | None = None) -> CheckpointDescription | None:
         """The version of ``ref`` (``auto`` = the newest complete checkpoint ``run``
         published, any run's when None; or a name or a path, whoever wrote it), resolved
-        once on rank 0 and agreed; None for ``auto`` when there is none."""
-        return resolve_agreed(self.root, ref, self.group, run=run)
+        once on rank 0 (its manifest read and verified once) and agreed, described; None
+        for ``auto`` when there is none."""
+
+        def find() -> CheckpointDescription | None:
+            resolved = locate(self.root, ref, run=run)
+            return None if resolved is None else describe(resolved)
+
+        return on_rank0(find, f"resolving checkpoint {ref!r}", self.group)
+
+    def read(
+        self,
+        checkpoint: Resolved | Path,
+        tensors: Mapping[str, Inventory | None] | None = None,
+        *,
+        json: Collection[str] = (),
+        needs: Collection[str] = (),
+    ) -> CheckpointRead:
+        """Validate a resolved version (:meth:`resolve`'s, or its directory) and read the
+        tensors of the components in ``tensors`` (each its expected inventory, or None for
+        whatever it saved) and the JSON of those in ``json`` (``needs``: components that
+        must be saved, though nothing of them is read), without applying them to
+        anything (``reader.py``; this process alone). Nothing is read if anything does not
+        match: one ``CheckpointError``."""
+        path = checkpoint.path if isinstance(checkpoint, Resolved) else Path(checkpoint)
+        return read_checkpoint(path, tensors, json=json, needs=needs, rank=rank(self.group))
 
     def restore(
         self, components: Components, ref: str, *, exact: bool = True, run: str | None = None
-    ) -> tuple[Resolved, int] | None:
+    ) -> tuple[CheckpointDescription, int] | None:
         """Resolve ``ref`` once (agreed; ``run`` as for :meth:`resolve`) and load it into
         ``components``: the version and its step, or None for ``auto`` when there is no
         complete checkpoint of ``run``. ``exact`` as for :meth:`load`."""
@@ -302,16 +362,16 @@ class Checkpointer:
     def _load(self, components: Components, path: Path, exact: bool) -> int:
         with agreed(f"validating checkpoint {path}", self.group):
             staged, step, metadata = self._stage(components, path, exact)
-            fire(self.fault_hook, PHASE_VALIDATE)
+            self._reached(PHASE_VALIDATE)
         with agreed(f"reading checkpoint {path}", self.group):
             self._read(staged, path, metadata)
-            fire(self.fault_hook, PHASE_READ)
+            self._reached(PHASE_READ)
         try:
             with agreed(f"applying checkpoint {path}", self.group):
-                fire(self.fault_hook, PHASE_APPLY)
+                self._reached(PHASE_APPLY)
                 for name, loaded in staged.items():
                     loaded.install()
-                    fire(self.fault_hook, f"{PHASE_APPLY}:{name}")
+                    self._reached(f"{PHASE_APPLY}:{name}")
         except CheckpointError as exc:
             raise LiveStateInvalidError(
                 f"{exc} The live state may now be partly loaded and is not valid: this run "

@@ -201,6 +201,16 @@ def check_info(info: Any, path: Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class SavedEntry:
+    """One component a checkpoint holds, and the kinds of state it saved: tensors (in
+    DCP) and JSON (``JSON_SHARED``, ``JSON_PER_RANK`` or None)."""
+
+    name: str
+    tensors: bool
+    json: str | None
+
+
+@dataclass(frozen=True)
 class CheckpointInfo:
     """What ``checkpoint.json`` records for a whole version, checked (:func:`read_info`)."""
 
@@ -209,6 +219,8 @@ class CheckpointInfo:
     #: A weights-only ("sampler") checkpoint: a subset of the run's components.
     weights_only: bool
     components: tuple[str, ...]
+    #: Each component with the kinds of state it saved, in ``components``' order.
+    entries: tuple[SavedEntry, ...] = field(default=(), compare=False)
 
 
 def read_info(version: Path) -> CheckpointInfo:
@@ -220,6 +232,10 @@ def read_info(version: Path) -> CheckpointInfo:
         world_size=info[INFO_WORLD_SIZE],
         weights_only=bool(info.get(INFO_WEIGHTS_ONLY)),
         components=tuple(info[INFO_COMPONENTS]),
+        entries=tuple(
+            SavedEntry(name, bool(entry.get(COMPONENT_TENSORS)), entry.get(COMPONENT_JSON))
+            for name, entry in info[INFO_COMPONENTS].items()
+        ),
     )
 
 

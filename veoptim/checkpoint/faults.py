@@ -7,13 +7,16 @@ save reaches them, so the crash and fault tests can iterate over all of them), t
 checkpointer's own around them (``SAVE_PHASES``), and a load's (``LOAD_PHASES``; ``apply``
 fires once, then ``apply:<component>`` after each component is installed).
 
-Names only: nothing here runs during a save or a load. The hook is called where the phase
-is reached, through ``publish.fire``, so a save without a hook never enters this file.
+Nothing here runs during a save or a load without a hook. The publication reports its
+phases to its storage seam (``StoreFiles.reached``, nothing to do on disk); a publisher
+given a hook wraps its seam in :func:`with_faults`, which calls the hook there. The
+checkpointer calls its hook itself, at its own phases, when it has one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 FaultHook = Callable[[str], None]
 
@@ -43,3 +46,25 @@ PHASES = (
 #: A checkpointer's save, in order: the publication's first phase, its own, then the rest.
 SAVE_PHASES = (PHASE_PREPARED, PHASE_GATHER, PHASE_WRITER, PHASE_WRITE, *PHASES[1:])
 LOAD_PHASES = (PHASE_VALIDATE, PHASE_READ, PHASE_APPLY)
+
+
+class _FaultingFiles:
+    """A storage seam that calls ``hook`` at every phase reached, then behaves like
+    ``files`` (every other operation is ``files``')."""
+
+    def __init__(self, files: Any, hook: FaultHook) -> None:
+        self.files, self.hook = files, hook
+
+    def reached(self, phase: str) -> None:
+        self.hook(phase)
+        self.files.reached(phase)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("files", "hook"):  # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        return getattr(self.files, name)
+
+
+def with_faults(files: Any, hook: FaultHook) -> Any:
+    """``files`` (a ``disk.StoreFiles``) with ``hook`` called at every phase reached."""
+    return _FaultingFiles(files, hook)

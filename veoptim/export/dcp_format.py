@@ -20,7 +20,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from veoptim.checkpoint import component as C
 from veoptim.checkpoint import storage
-from veoptim.checkpoint.versions import MANIFEST_FILE
+from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.component import read_info
+from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.errors import CheckpointError
 
 
@@ -41,13 +43,12 @@ def _nested(flat: dict[str, torch.Tensor], metadata: Metadata, where: Path) -> d
 
 def write_dcp(source: Any, out_dir: Path, options: Any) -> None:
     """Copy ``source``'s checkpoint into ``out_dir`` with DCP ``torch_save`` shards."""
-    dcp_dir = source.version / C.DCP_DIR
-    metadata = storage.read_metadata(dcp_dir)
+    reader = Checkpointer(source.version.parent, fsync=False)
+    info = read_info(source.version)
+    read = reader.read(source.version, {e.name: None for e in info.entries if e.tensors})
     flat = {
-        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-        for key, entry in metadata.state_dict_metadata.items()
+        f"{name}.{key}": t for name, tensors in read.tensors.items() for key, t in tensors.items()
     }
-    storage.load_tensors(flat, dcp_dir, metadata, local=True)
     for item in source.version.iterdir():
         if item.name in (MANIFEST_FILE, C.DCP_DIR):
             continue
@@ -55,4 +56,5 @@ def write_dcp(source: Any, out_dir: Path, options: Any) -> None:
     writer = storage.tensor_writer(  # DCP's own records; the publisher flushes
         out_dir / C.DCP_DIR, storage_format=storage.FORMAT_DCP, fsync=False, threads=1
     )
-    storage.save_tensors(_nested(flat, metadata, dcp_dir), writer, local=True)
+    dcp_dir = source.version / C.DCP_DIR
+    storage.save_tensors(_nested(flat, read.metadata, dcp_dir), writer, local=True)

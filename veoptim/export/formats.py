@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from veoptim.checkpoint.layout import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import Published, Publisher
-from veoptim.checkpoint.versions import KIND_CHECKPOINT
 from veoptim.errors import CheckpointError, ConfigError
 from veoptim.export.dcp_format import write_dcp
 from veoptim.export.hf_format import KIND_HF_EXPORT, export_dtype, write_hf_export

@@ -18,22 +18,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from veoptim.checkpoint import component as C
-from veoptim.checkpoint import storage
-from veoptim.checkpoint.component import (
-    Inventory,
-    check_components,
-    check_info,
-    compare_inventory,
-    read_json,
-    saved_inventory,
-)
-from veoptim.checkpoint.versions import (
-    VERSIONS_DIR,
-    latest_complete,
-    manifest_path,
-    read_manifest,
-    resolve_path,
-)
+from veoptim.checkpoint.checkpointer import Checkpointer
+from veoptim.checkpoint.component import Inventory
+from veoptim.checkpoint.layout import VERSIONS_DIR, manifest_path
+from veoptim.checkpoint.versions import latest_complete, locate_path
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import load_tokenizer, special_token_ids
 from veoptim.errors import CheckpointError
@@ -106,35 +94,38 @@ def _known_keys(saved: dict[str, Any], schema: DictConfig) -> dict[str, Any]:
     return out
 
 
-def _saved_config(version: Path) -> TrainerConfig:
-    path = C.shared_json_path(version, CONFIG)
-    saved = read_json(path)
+def _saved_config(version: Path, saved: Any) -> TrainerConfig:
     try:
         base = OmegaConf.structured(TrainerConfig)
         return OmegaConf.to_object(OmegaConf.merge(base, _known_keys(saved, base)))
     except Exception as exc:
+        path = C.shared_json_path(version, CONFIG)
         raise CheckpointError(f"{path} is not a valid run config: {exc}.") from exc
 
 
 def open_checkpoint(checkpoint: str | Path) -> CheckpointSource:
     """Validate ``checkpoint`` (a name link, version or legacy directory) and rebuild its
-    model on meta; no tensor is read yet."""
+    model on meta; no tensor is read yet (``Checkpointer.read`` checks the version and
+    reads its config and tensor inventory)."""
     path = Path(checkpoint).expanduser()
     _refuse_non_checkpoint(path)
-    version = resolve_path(path)
-    _refuse_non_checkpoint(version)  # a name may point to an export
-    info = check_info(read_json(version / C.INFO_FILE), version)
-    check_components(info[C.INFO_COMPONENTS], (MODEL, CONFIG), version, exact=False)
-    cfg = _saved_config(version)
+    resolved = locate_path(path)  # its manifest read and verified once
+    _refuse_non_checkpoint(resolved.path)  # a name may point to an export
+    opened = _reader(resolved.path).read(resolved, json=(CONFIG,), needs=(MODEL,))
+    cfg = _saved_config(resolved.path, opened.json[CONFIG])
     tokenizer = load_tokenizer(
         cfg.data.tokenizer_path, model_path=cfg.model.path, chat_template=cfg.data.chat_template
     )
     special = special_token_ids(tokenizer)
     model = build_model(cfg.model, len(tokenizer), special, on_meta=True)
-    dcp_dir = version / C.DCP_DIR
-    saved = saved_inventory(storage.read_metadata(dcp_dir), MODEL, dcp_dir)
-    run = read_manifest(version).run if manifest_path(version).is_file() else None
-    return CheckpointSource(version, cfg, tokenizer, model, int(info[C.INFO_STEP]), saved, run)
+    return CheckpointSource(
+        resolved.path, cfg, tokenizer, model, opened.info.step, opened.saved[MODEL], resolved.run
+    )
+
+
+def _reader(version: Path) -> Checkpointer:
+    """A checkpointer to read ``version`` with (it never writes)."""
+    return Checkpointer(version.parent, fsync=False)
 
 
 def model_inventory(source: CheckpointSource) -> Inventory:
@@ -145,8 +136,4 @@ def model_inventory(source: CheckpointSource) -> Inventory:
 def read_model_tensors(source: CheckpointSource, expected: Inventory) -> dict[str, torch.Tensor]:
     """Read exactly the ``expected`` model tensors (after the inventory check a resume
     does) into fresh CPU buffers; the caller owns the only references."""
-    dcp_dir = source.version / C.DCP_DIR
-    compare_inventory(expected, source.saved, dcp_dir)
-    buffers = {key: torch.empty(spec.shape, dtype=spec.dtype) for key, spec in expected.items()}
-    storage.load_tensors({MODEL: buffers}, dcp_dir)
-    return buffers
+    return _reader(source.version).read(source.version, {MODEL: expected}).tensors[MODEL]

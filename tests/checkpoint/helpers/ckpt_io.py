@@ -20,9 +20,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from veoptim.checkpoint import component as C
+from veoptim.checkpoint.layout import KIND_CHECKPOINT
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader, read_dcp_metadata
-from veoptim.checkpoint.versions import KIND_CHECKPOINT, resolve_path
+from veoptim.checkpoint.versions import resolve_path
 from veoptim.optim import MASTER_WEIGHT
 from veoptim.state import CONFIG, RNG
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from payload import write_payload
 
+from veoptim.checkpoint.layout import read_manifest, step_name
 from veoptim.checkpoint.publish import Publisher
-from veoptim.checkpoint.versions import latest_complete, read_manifest, resolve, step_name
+from veoptim.checkpoint.versions import latest_complete, resolve
 
 MID_SHARD = "mid_shard"
 

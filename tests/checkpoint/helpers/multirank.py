@@ -71,8 +71,9 @@ def worker(rank: int, init_file: str, root: str, out_dir: str) -> None:
 def _scenarios(rank: int, root: str, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from veoptim.checkpoint.layout import published_names
     from veoptim.checkpoint.publish import Publisher
-    from veoptim.checkpoint.versions import published_names, resolve, resolve_agreed
+    from veoptim.checkpoint.versions import resolve, resolve_agreed
     from veoptim.distributed.agreement import agree
 
     root_path = Path(root)

@@ -17,14 +17,8 @@ from pathlib import Path
 
 from payload import check_payload
 
-from veoptim.checkpoint.versions import (
-    latest_complete,
-    manifest_path,
-    read_link,
-    read_manifest,
-    resolve_version,
-    version_dir,
-)
+from veoptim.checkpoint.layout import manifest_path, read_link, read_manifest, version_dir
+from veoptim.checkpoint.versions import latest_complete, resolve_version
 
 
 def removed(root: Path, name: str, version_id: str | None) -> bool:

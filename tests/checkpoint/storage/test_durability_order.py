@@ -22,7 +22,7 @@ from tests.checkpoint.ckpt_state import build_trainer, save_with
 from veoptim.checkpoint import Publisher, resolve
 from veoptim.checkpoint import component as C
 from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.versions import MANIFEST_FILE, link_path, versions_dir
+from veoptim.checkpoint.layout import MANIFEST_FILE, link_path, versions_dir
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
 

@@ -18,9 +18,10 @@ import torch.distributed.checkpoint as dcp
 
 from tests.lora.slots.helpers import all_states, assert_unchanged, build, train
 from veoptim.checkpoint import component as C
+from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.storage.safe_dcp import SafeFileSystemReader, read_dcp_metadata
-from veoptim.checkpoint.versions import MANIFEST_FILE, resolve
+from veoptim.checkpoint.versions import resolve
 from veoptim.errors import ConfigError, SlotError
 
 GOOD = "save_000001"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.lora.slots.helpers import all_states, assert_unchanged, build, differences, train
-from veoptim.checkpoint.versions import published_names
+from veoptim.checkpoint.layout import published_names
 from veoptim.errors import CheckpointError, SlotError, SlotStateInvalidError
 
 
@@ -107,7 +107,7 @@ def test_a_load_failing_after_its_first_write_invalidates_only_that_slot(trainer
 def test_delete_removes_every_save_and_export_of_a_name_manifest_first(trainer, monkeypatch):
     import shutil
 
-    from veoptim.checkpoint import publish
+    from veoptim.checkpoint import disk
     from veoptim.checkpoint.versions import latest_complete
 
     for _ in range(2):
@@ -125,12 +125,12 @@ def test_delete_removes_every_save_and_export_of_a_name_manifest_first(trainer, 
             raise OSError("interrupted")
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(publish.shutil, "rmtree", fail_once)
+    monkeypatch.setattr(disk.shutil, "rmtree", fail_once)
     with pytest.raises(CheckpointError, match="deleting slot checkpoint .gone."):
         trainer.delete_checkpoint("gone")
     assert (trainer.store.root / "gone").is_dir() and calls
     assert latest_complete(trainer.store.root / "gone") is None
-    monkeypatch.setattr(publish.shutil, "rmtree", real)
+    monkeypatch.setattr(disk.shutil, "rmtree", real)
     trainer.delete_checkpoint("gone")
     assert not (trainer.store.root / "gone").exists() and not export.exists()
     trainer.load_slot(3, "kept")  # another name is untouched

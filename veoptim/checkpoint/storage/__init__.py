@@ -1,7 +1,7 @@
 """The DCP storage behind the checkpoint store: its one door.
 
 Everything that moves bytes of a version to or from disk is here, so the phase logic above
-it (``checkpointer.py``, ``publish.py``) reads as a sequence of phases:
+it (``checkpointer.py``, ``reader.py``; ``disk.py`` for durability) reads as a sequence of phases:
 
 * tensors: :func:`tensor_writer` (the ``raw`` layout of ``raw_format.py``, or DCP's own),
   :func:`save_tensors` / :func:`load_tensors` (DCP's planner and collectives, failures
