@@ -50,7 +50,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "veoptim.lora": ("veoptim.trainer", "veoptim.objectives", "veoptim.export", "veoptim.optim"),
     # The multi-LoRA slot runtime composes adapters, optimizers, checkpoints and exports;
     # it is a sibling of the Trainer, not built on it.
-    "veoptim.lora.slots": ("veoptim.trainer", "veoptim.objectives"),
+    "veoptim.slots": ("veoptim.trainer", "veoptim.objectives"),
     # The training service drives the slots only through SlotTrainer: no checkpoint,
     # state or optimizer internals, and no single-model Trainer.
     "veoptim.service": (
@@ -62,7 +62,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     ),
 }
 #: package -> subpackages its rule does not govern (they have their own rule above).
-EXEMPT: dict[str, tuple[str, ...]] = {"veoptim.lora": ("veoptim.lora.slots",)}
+EXEMPT: dict[str, tuple[str, ...]] = {"veoptim.lora": ("veoptim.slots",)}
 
 
 def module_name(path: Path) -> str:
@@ -259,7 +259,7 @@ def test_the_rules_catch_a_forbidden_import():
     assert not violations("veoptim.state.extra", "from veoptim.checkpoint import contents\n")
     assert not violations("tasks.extra", "from veoptim.trainer import Trainer\n")
     assert violations("veoptim.lora.extra", "from veoptim.optim import build_optimizer\n")
-    assert not violations("veoptim.lora.slots.extra", "from veoptim.optim import build_optimizer\n")
-    assert violations("veoptim.lora.slots.extra", "from veoptim.trainer import Trainer\n")
+    assert not violations("veoptim.slots.extra", "from veoptim.optim import build_optimizer\n")
+    assert violations("veoptim.slots.extra", "from veoptim.trainer import Trainer\n")
     assert violations("veoptim.service.extra", "from veoptim.checkpoint import publish\n")
-    assert not violations("veoptim.service.extra", "from veoptim.lora.slots import SlotTrainer\n")
+    assert not violations("veoptim.service.extra", "from veoptim.slots import SlotTrainer\n")

@@ -1,8 +1,8 @@
 """LoRA: adapters on a frozen base (layer, injection, checkpoint state, PEFT format).
 
-The multi-LoRA runtime is ``veoptim.lora.slots`` (``SlotTrainer``, ``MultiLoRAConfig``):
+The multi-LoRA runtime is ``veoptim.slots`` (``SlotTrainer``, ``MultiLoRAConfig``):
 importing the adapters alone does not import it, nor the optimizers it brings. The names
-below are imported on first use (PEP 562), so the slots' config (``veoptim.lora.slots.config``)
+below are imported on first use (PEP 562), so the slots' config (``veoptim.slots.config``)
 loads without torch.
 """
 

@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from veoptim.data.fields import INPUT_IDS
 from veoptim.distributed.sizes import rank_slice
-from veoptim.lora.slots import SlotTrainer
-from veoptim.lora.slots.tokens import (
+from veoptim.service.errors import SERVER, ServiceError, describe
+from veoptim.slots import SlotTrainer
+from veoptim.slots.tokens import (
     SampledRow,
     SampleRow,
     TokenPass,
@@ -38,7 +39,6 @@ from veoptim.lora.slots.tokens import (
     optim_step_clipped,
     sample_tokens,
 )
-from veoptim.service.errors import SERVER, ServiceError, describe
 
 log = logging.getLogger("veoptim.service")
 #: The followers wait for rank 0's next call as long as the job runs.

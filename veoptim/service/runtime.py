@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from veoptim.lora.slots import SlotTrainer
 from veoptim.service.auth import KeyTable, read_keys_file
 from veoptim.service.backend import Backend
 from veoptim.service.catalog import Catalog
@@ -37,6 +36,7 @@ from veoptim.service.sampler import SampleBatch, Samplers
 from veoptim.service.served import ServedModel
 from veoptim.service.sessions import Sessions
 from veoptim.service.slots import Slots
+from veoptim.slots import SlotTrainer
 
 log = logging.getLogger("veoptim.service")
 RESTARTED = "the server restarted before this request finished; submit it again."

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from tinker import types
 
-from veoptim.lora.slots.tokens import SampleRow
 from veoptim.service import paths
 from veoptim.service.db import Database
 from veoptim.service.engine import Engine, Op
@@ -38,6 +37,7 @@ from veoptim.service.ranks import ServedTrainer
 from veoptim.service.served import ServedModel
 from veoptim.service.slots import Slots
 from veoptim.service.wire import encode_sample_response
+from veoptim.slots.tokens import SampleRow
 
 log = logging.getLogger("veoptim.service")
 MAX_SAMPLES = 64

@@ -27,8 +27,8 @@ import torch
 
 from veoptim.data.fields import ATTENTION_MASK, INPUT_IDS
 from veoptim.errors import DataError, SlotError
-from veoptim.lora.slots.routing import slot_layers
-from veoptim.lora.slots.trainer import SLOT_IDS, SlotTrainer
+from veoptim.slots.routing import slot_layers
+from veoptim.slots.trainer import SLOT_IDS, SlotTrainer
 
 TARGET_TOKENS = "target_tokens"
 #: loss(logprobs [rows, T] FP32, batch) -> per-row loss [rows] (differentiable).

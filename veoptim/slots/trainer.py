@@ -40,22 +40,22 @@ from veoptim.errors import (
     VeoptimError,
 )
 from veoptim.lora.layer import AdapterSpec
-from veoptim.lora.slots.config import MultiLoRAConfig
-from veoptim.lora.slots.export import SLOT_EXPORTS, publish_slot_adapter
-from veoptim.lora.slots.optim import OPTIM_KEYS, SlotHyper, SlotOptimizer
-from veoptim.lora.slots.routing import SlotParams, SlotRouter, apply_slot_lora
-from veoptim.lora.slots.state import (
+from veoptim.lora.state import base_fingerprint
+from veoptim.losses import sequence_logps
+from veoptim.models import build_model
+from veoptim.models.build import check_model_fits
+from veoptim.slots.config import MultiLoRAConfig
+from veoptim.slots.export import SLOT_EXPORTS, publish_slot_adapter
+from veoptim.slots.optim import OPTIM_KEYS, SlotHyper, SlotOptimizer
+from veoptim.slots.routing import SlotParams, SlotRouter, apply_slot_lora
+from veoptim.slots.state import (
     ADAPTER,
     LR_SCHEDULER,
     OPTIMIZER,
     SlotAdapterState,
     SlotOptimizerState,
 )
-from veoptim.lora.slots.store import SlotStore
-from veoptim.lora.state import base_fingerprint
-from veoptim.losses import sequence_logps
-from veoptim.models import build_model
-from veoptim.models.build import check_model_fits
+from veoptim.slots.store import SlotStore
 from veoptim.state.stateful import JSONState, same_structure
 
 log = logging.getLogger(__name__)

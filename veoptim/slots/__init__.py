@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from veoptim.lazy import lazy_names
-from veoptim.lora.slots.config import MultiLoRAConfig
+from veoptim.slots.config import MultiLoRAConfig
 
 if TYPE_CHECKING:
-    from veoptim.lora.slots.trainer import SLOT_IDS, SlotLoss, SlotTrainer
+    from veoptim.slots.trainer import SLOT_IDS, SlotLoss, SlotTrainer
 
 #: Public name -> submodule that defines it.
 _EXPORTS: dict[str, str] = {"SLOT_IDS": "trainer", "SlotLoss": "trainer", "SlotTrainer": "trainer"}

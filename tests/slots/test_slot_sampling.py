@@ -22,9 +22,9 @@ import math
 import pytest
 import torch
 
-from tests.lora.slots.helpers import batch, build, train
-from veoptim.lora.slots.routing import SlotRouter
-from veoptim.lora.slots.tokens import SampleRow, sample_tokens
+from tests.slots.helpers import batch, build, train
+from veoptim.slots.routing import SlotRouter
+from veoptim.slots.tokens import SampleRow, sample_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
