@@ -30,8 +30,7 @@ from veoptim.service.ranks import ServedTrainer
 from veoptim.service.served import ServedModel
 from veoptim.service.slots import Slots
 from veoptim.service.wire import Datum, ForwardBackwardRequest, encode_forward_backward_output
-from veoptim.slots import SLOT_IDS
-from veoptim.slots.tokens import TARGET_TOKENS
+from veoptim.slots import SLOT_IDS, TARGET_TOKENS
 
 log = logging.getLogger("veoptim.service")
 #: torch.Generator.manual_seed's range.
