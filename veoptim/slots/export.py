@@ -1,4 +1,4 @@
-"""A slot's adapter as a PEFT adapter directory: the weights a sampler loads."""
+"""A slot's adapter as a PEFT adapter directory: the weights sampling loads."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 The API has the shape of hosted LoRA training services: ``forward_backward`` over a
 batch whose rows name their slots, ``optim_step`` per slot, ``save_slot`` /
-``load_slot`` (training state) and ``export_slot`` (a PEFT adapter: the weights for a
-sampler). Every slot has its own parameters, optimizer (FP32 masters for BF16 adapters
+``load_slot`` (training state) and ``export_slot`` (a PEFT adapter: the weights to
+sample from). Every slot has its own parameters, optimizer (FP32 masters for BF16 adapters
 with the exact optimizers), scheduler and checkpoints. A call names one slot and
 changes nothing of any other; a failing save or load raises :class:`SlotError` for that
 slot only. Under ``torchrun`` every rank makes the same calls in the same order (each
@@ -303,8 +303,8 @@ class SlotTrainer:
     # ------------------------------------------------------------------ checkpoints, exports
     def save_slot(self, slot: int, name: str, with_optimizer: bool = True) -> Path:
         """Publish the next save of checkpoint ``name`` from ``slot``: its adapter and (with
-        ``with_optimizer``) its optimizer state and schedule; without, a sampler (weights
-        only) checkpoint. Returns the immutable version directory (loadable as a path)."""
+        ``with_optimizer``) its optimizer state and schedule; without, a weights-only
+        checkpoint. Returns the immutable version directory (loadable as a path)."""
         with self._lock:
             state = self._slot(slot)
             components: dict[str, Any] = {ADAPTER: SlotAdapterState(state.params, self.fingerprint)}
