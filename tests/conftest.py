@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -64,6 +67,74 @@ def declared_slow(item: pytest.Item) -> bool:
     whole module goes with it, so a module's tests stay together."""
     module = item.getparent(pytest.Module)
     return module is not None and any(m.name == "slow" for m in module.iter_markers())
+
+
+# ---------------------------------------------------------------- the fast tier's processes
+#: The test running now (setup, call or teardown), while the process guard watches.
+_RUNNING: list[pytest.Item] = []
+
+
+def starts_processes_allowed(item: pytest.Item) -> bool:
+    """A module may start processes if it declares the slow tier or, in the fast tier,
+    ``pytest.mark.starts_processes`` or ``multirank`` (its ``pytestmark``)."""
+    module = item.getparent(pytest.Module)
+    names = {m.name for m in module.iter_markers()} if module is not None else set()
+    return bool(names & {"slow", "starts_processes", "multirank"})
+
+
+def _guarded(original, what: str):
+    def start(*args, **kwargs):
+        if _RUNNING and not starts_processes_allowed(_RUNNING[-1]):
+            raise RuntimeError(
+                f"{_RUNNING[-1].nodeid} starts a process ({what}) but its module declares "
+                "neither `pytestmark = pytest.mark.slow` nor `pytest.mark.starts_processes`: "
+                "declare one (and name a fast-tier one in the README's list)."
+            )
+        return original(*args, **kwargs)
+
+    return start
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every start of a process (``subprocess``, ``multiprocessing``, the fork server,
+    torch's spawn) fails a test whose module does not declare it: the tiers are declared
+    where the tests are, and the fast tier's processes are known. The native AdamW kernel
+    is built (or found in its cache) first, outside any test: its compiler runs are the
+    session's, not a test's."""
+    from veoptim.optim.kernels.native import native_kernel
+
+    native_kernel()
+    subprocess.Popen.__init__ = _guarded(subprocess.Popen.__init__, "subprocess.Popen")
+    multiprocessing.process.BaseProcess.start = _guarded(
+        multiprocessing.process.BaseProcess.start, "multiprocessing"
+    )
+
+
+@contextmanager
+def _watching(item: pytest.Item) -> Iterator[None]:
+    _RUNNING.append(item)
+    try:
+        yield
+    finally:
+        _RUNNING.pop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _watching(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _watching(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    with _watching(item):
+        yield
 
 
 @pytest.hookimpl(optionalhook=True)

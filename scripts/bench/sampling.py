@@ -9,7 +9,8 @@ one long-prompt decode against ``transformers`` ``generate``.
   temperature 1, seeded, the EOS stop) to its own snapshot with ``--submit-ahead``
   requests in flight beyond the one it waits for. Sampled tokens/s from a common start to
   the last client's end. Against it, in this process: the function the server's worker
-  calls, ``sample_tokens`` (what ``ServedTrainer.sample`` runs on one process), of the
+  calls, ``sample_tokens`` (the generation the server's worker runs on one process, there
+  in slices of ``serve.slice_tokens`` decode steps, here whole), of the
   same N clients' rows as one batch (each row its own slot, its client's prompt and
   parameters), measured just before and just after the SDK run (the ratio uses their
   mean: this VM's speed drifts within minutes).

@@ -1,5 +1,8 @@
 """Fairness across tenants: one tenant's backlog against another tenant's small requests,
-through the SDK, on a server of each ``serve.schedule`` (``fair``, ``fifo``) in one run.
+through the SDK, on a server of each setup in one run: ``fair`` (the defaults: fair
+schedule, sampling batches in slices of ``serve.slice_tokens`` decode steps),
+``fair_whole`` (fair, each sampling batch whole: ``serve.slice_tokens=0``) and ``fifo``
+(arrival order, whole batches: the order before fairness).
 
 - Tenant B keeps ``--backlog`` sampling requests queued (``--samples`` samples of
   ``--max-tokens`` tokens each from the base model, temperature 1, seeded); each that
@@ -10,9 +13,10 @@ through the SDK, on a server of each ``serve.schedule`` (``fair``, ``fifo``) in 
 - On each server: A alone, B alone, then both together (A's requests while B's backlog
   stays queued). Reported: A's latency (median, p95) together vs alone, B's sampled
   tokens/s together vs alone, and the batch time (the median seconds of B's sampling
-  batches from the server's ``metrics.jsonl``).
+  batches from the server's ``metrics.jsonl``: the batch's own decode, whole, without
+  the requests run between its slices).
 - Goals (``fair``): A's p95 together <= 2x its median alone + one batch time; B keeps
-  >= 0.9 of its lone throughput. ``fifo`` is the order before fairness, for comparison.
+  >= 0.9 of its lone throughput.
 
 The model is the service benchmark's (``scripts/bench/service.py``: dense Qwen2 of
 ``--hidden`` / ``--layers``, BF16, LoRA rank ``--rank``); ``serve.max_batch_rows`` is the
@@ -143,8 +147,16 @@ def batch_seconds(metrics: Path, since: float) -> float:
     return median(times) if times else float("nan")
 
 
+#: The server overrides of each setup.
+SETUPS = {
+    "fair": [],
+    "fair_whole": ["serve.slice_tokens=0"],
+    "fifo": ["serve.schedule=fifo", "serve.slice_tokens=0"],
+}
+
+
 def measure(args: argparse.Namespace, schedule: str, keys: dict[str, str], work: Path) -> dict:
-    extra = [f"serve.schedule={schedule}", "serve.max_futures_per_tenant=4096"]
+    extra = [*SETUPS[schedule], "serve.max_futures_per_tenant=4096"]
     if args.max_batch_rows:
         extra.append(f"serve.max_batch_rows={args.max_batch_rows}")
     server, url = bench.start_server(args, work, f"serve_{schedule}", extra, {})
@@ -210,7 +222,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40, help="A's requests when alone")
     parser.add_argument("--seconds", type=float, default=20.0, help="B's run in each phase")
     parser.add_argument("--max-batch-rows", type=int, default=0, help="0: the server default")
-    parser.add_argument("--schedules", default="fair,fifo")
+    parser.add_argument("--setups", default=",".join(SETUPS), help="of " + ", ".join(SETUPS))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(tempfile.mkdtemp(prefix="veoptim-fairness-bench-"))
@@ -224,7 +236,7 @@ def main() -> None:
         "b_backlog": args.backlog, "b_samples_per_request": args.samples,
         "b_max_tokens": args.max_tokens, "b_seconds": args.seconds,
     }  # fmt: skip
-    for schedule in args.schedules.split(","):
+    for schedule in args.setups.split(","):
         report[schedule] = measure(args, schedule, keys, work)
     report["targets"] = {"a_p95": TARGET_P95, "b_throughput_ratio": f">= {TARGET_B}"}
     report["loadavg_1min_start_end"] = [round(load_start, 2), round(os.getloadavg()[0], 2)]

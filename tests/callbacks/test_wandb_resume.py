@@ -15,6 +15,8 @@ from veoptim.checkpoint import step_name
 from veoptim.checkpoint.versions import resolve_path
 from veoptim.state import RUN_IDS
 
+pytestmark = pytest.mark.starts_processes
+
 BASE = ["run.device=cpu", "train.max_steps=4", "train.global_batch_size=4",
         "train.micro_batch_size=2", "scheduler.warmup_steps=1", "logging.progress=false",
         "logging.level=WARNING", "export.hf=false", "checkpoint.fsync=false"]  # fmt: skip

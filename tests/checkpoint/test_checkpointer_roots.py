@@ -21,6 +21,8 @@ from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged,
 from veoptim.checkpoint.versions import VERSIONS_DIR, latest_complete, published_names
 from veoptim.errors import CheckpointError
 
+pytestmark = pytest.mark.starts_processes
+
 
 class Counter:
     """A JSON count and a small tensor: enough to tell saves apart after a load."""

@@ -15,6 +15,8 @@ from tests.rundir.holder import hold, stop
 from veoptim.errors import ConfigError
 from veoptim.rundir import LOCK_FILE, RunDirInUseError, RunDirLock, holder_of, locked_run_dir
 
+pytestmark = pytest.mark.starts_processes
+
 
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path: Path) -> None:
     holder = hold(tmp_path)

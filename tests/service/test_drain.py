@@ -17,7 +17,7 @@ import pytest
 from tests.service.helpers import BASE_MODEL, SubprocessServer, datum
 from tests.service.test_bad_inputs import PROTO, fwd_body
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.starts_processes, pytest.mark.filterwarnings("ignore::FutureWarning")]
 WAIT_S = 60.0
 
 

@@ -231,3 +231,90 @@ def test_the_models_of_one_tenant_take_turns(tmp_path):
     settle(e)
     e.stop(5)
     assert order == ["m1.1", "o.1", "m2.1", "m1.2", "m2.2", "m1.3", "m2.3"], order
+
+
+# ---------------------------------------------------------------- slices of a batch
+class Labeled(Rows):
+    def __init__(self, kind: str, label: str) -> None:
+        super().__init__(kind)
+        self.label = label
+
+
+class Sliced:
+    """A batch of ``n`` slices that records each one (and fails at slice ``fail_at``)."""
+
+    def __init__(self, ran: list, ops: list[Op], n: int, fail_at: int = 0) -> None:
+        self.ran, self.ops, self.n, self.fail_at, self.k = ran, ops, n, fail_at, 0
+
+    def advance(self) -> bool:
+        self.k += 1
+        self.ran.append([f"slice{self.k}"])
+        if self.k == self.fail_at:
+            raise ServiceError("the slice failed.")
+        return self.k == self.n
+
+    def results(self) -> list[dict]:
+        return [{"label": op.batch.label} for op in self.ops]
+
+    def abandon(self) -> None:
+        self.ran.append(["abandoned"])
+
+
+def sliced_engine(tmp_path, fail_at: int = 0):
+    """An engine whose sampling batches run in 3 slices, the first batch held until
+    ``release``."""
+    import threading
+
+    ran: list[list[str]] = []
+    started, release = threading.Event(), threading.Event()
+
+    def run_batch(ops: list[Op]):
+        ran.append([o.batch.label for o in ops])
+        if ops[0].kind != "sample":
+            return [{} for _ in ops]
+        started.set()
+        release.wait(10)
+        return Sliced(ran, ops, 3, fail_at)
+
+    futures = FutureTable(Database(tmp_path / "db.sqlite"), 1000)
+    e = Engine(futures, batch_tenants=True, gap_timeout_s=10, run_batch=run_batch)
+    return e, ran, started, release
+
+
+def test_training_requests_run_between_the_slices_of_another_tenants_sampling_batch(tmp_path):
+    """While tenant 2's sampling batch runs, tenant 1's forward and optim_step each run
+    after one slice of it; tenant 3's save and tenant 2's next sampling request (which
+    could change the slots it samples from) wait for its end; it is delivered whole."""
+    e, ran, started, release = sliced_engine(tmp_path)
+    m = add(e, "m")
+    e.start()
+    b0 = e.submit(
+        2, None, None, "sample", lambda: Op("sample", None, batch=Labeled("sample", "b0"))
+    )
+    assert started.wait(10)
+    e.submit(1, m, 1, "forward", lambda: Op("forward", None, batch=Labeled("forward", "a1")))
+    e.submit(1, m, 2, "optim_step", lambda: Op("optim_step", None, run=lambda: ran.append(["a2"])))
+    e.submit(3, None, None, "save_weights",
+             lambda: Op("save_weights", None, run=lambda: ran.append(["c"])))  # fmt: skip
+    e.submit(2, None, None, "sample", lambda: Op("sample", None, batch=Labeled("sample", "b1")))
+    release.set()
+    settle(e)
+    e.stop(5)
+    assert ran == [["b0"], ["a1"], ["slice1"], ["a2"], ["slice2"], ["slice3"], ["c"], ["b1"],
+                   ["slice1"], ["slice2"], ["slice3"]], ran  # fmt: skip
+    assert b0.status == "done" and b0.result == {"label": "b0"}
+
+
+def test_a_failed_slice_fails_its_batch_and_drops_it_and_the_worker_goes_on(tmp_path):
+    e, ran, started, release = sliced_engine(tmp_path, fail_at=2)
+    e.start()
+    b0 = e.submit(
+        2, None, None, "sample", lambda: Op("sample", None, batch=Labeled("sample", "b0"))
+    )
+    assert started.wait(10)
+    e.submit(1, None, None, "forward", lambda: Op("forward", None, batch=Labeled("forward", "a")))
+    release.set()
+    settle(e)
+    e.stop(5)
+    assert ran == [["b0"], ["a"], ["slice1"], ["slice2"], ["abandoned"]], ran
+    assert b0.status == "failed" and "the slice failed." in b0.error

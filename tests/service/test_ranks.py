@@ -54,6 +54,14 @@ def prompts() -> list[SampleRow]:
             SampleRow([9, 8], 0, 3, temperature=0.0, prompt_logprobs=True)]  # fmt: skip
 
 
+def sample(served, rows, between=lambda: None) -> list:
+    """A generation of ``rows`` two decode steps at a time, ``between()`` after each."""
+    served.start_sampling(rows)
+    while not served.advance_sampling(2):
+        between()
+    return served.sampled()
+
+
 def calls(served, out: Path) -> dict:
     """What rank 0 asks of the (served) trainer; the same on one process for reference."""
     served.create_slot(0, r=4, seed=5)
@@ -63,8 +71,9 @@ def calls(served, out: Path) -> dict:
     step = served.forward_tokens(one_row, CROSS_ENTROPY, backward=True)
     metrics = served.optim_step(0, 0.0, lr=1e-2)
     mixed = served.forward_tokens(token_batch([1, 2, 3], [0, 0, 0]), CROSS_ENTROPY, False)
-    sampled = served.sample(prompts())
-    alone = served.sample(prompts()[:1])  # one row: rank 1 pads
+    sampled = sample(served, prompts(), between=lambda: served.forward_tokens(
+        one_row, CROSS_ENTROPY, backward=False))  # fmt: skip
+    alone = sample(served, prompts()[:1])  # one row: rank 1 pads
     torch.save({"forward": forward.logprobs, "step": step.row_losses, "mixed": mixed.logprobs,
                 "state": served.slot_state(0),
                 "sampled": [(s.tokens, s.logprobs, s.prompt_logprobs) for s in sampled],

@@ -20,7 +20,7 @@ from tests.service.helpers import BASE_MODEL, SubprocessServer, datum, examples,
 from tests.service.test_bad_inputs import PROTO, fwd_body
 from veoptim.service.db import DB_FILE, Database
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.starts_processes, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
 PROMPT = types.ModelInput.from_ints([1, 2, 3, 4, 5])

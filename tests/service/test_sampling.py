@@ -188,6 +188,14 @@ def test_stop_tokens_stop_strings_chunks_and_the_base_model(server, trained):
     assert base_tokens != tokens  # the base alone, not the adapter
 
 
+def run_to_end(service, ops) -> list:
+    """The worker's sampling batch of ``ops``, every slice of it."""
+    batch = service.run_batch(ops)
+    while not batch.advance():
+        pass
+    return batch.results()
+
+
 def test_concurrent_requests_of_two_tenants_batch_and_sample_as_alone(server, trained):
     tok, sampler = trained["tok"], trained["sampler"]
     sc = server.client("bob")
@@ -214,13 +222,13 @@ def test_concurrent_requests_of_two_tenants_batch_and_sample_as_alone(server, tr
                     "prompt": p.model_dump(mode="json"), "sampling_params": params.model_dump()}))  # fmt: skip
     ops = [service.samplers.prepare(t, types.SampleRequest.model_validate(body))[0]
            for t, body in bodies]  # fmt: skip
-    batched = service.run_batch(ops)
+    batched = run_to_end(service, ops)
     assert len({op.batch.request.store_ref for op in ops}) == 2
     flat = [v for pair in alone for v in pair]
     got = [[(q.tokens, q.stop_reason) for q in decode(r).sequences] for r in batched]
     assert got == flat  # the same tokens; log-probs to float rounding (padded rows)
     for op, result in zip(ops, batched, strict=True):
-        for a, b in zip(decode(result).sequences, decode(service.run_batch([op])[0]).sequences,
+        for a, b in zip(decode(result).sequences, decode(run_to_end(service, [op])[0]).sequences,
                         strict=True):  # fmt: skip
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     sc.close("success").result()

@@ -13,7 +13,7 @@ import tinker
 from tests.service.helpers import BASE_MODEL, SubprocessServer, datum, examples, train_step
 from tests.service.test_bad_inputs import PROTO, fwd_body
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.starts_processes, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
 def test_the_sdk_trains_a_lora_through_a_server_process(tmp_path):

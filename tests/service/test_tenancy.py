@@ -22,7 +22,10 @@ from tests.service.helpers import BASE_MODEL, differences, examples, train_step
 from tests.service.test_bad_inputs import PROTO, fwd_body
 from veoptim.service.app import create_app
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+pytestmark = [
+    pytest.mark.starts_processes,
+    pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning"),
+]
 #: The routes a request without a key reaches: healthz. (A signed download link takes no
 #: key either, but refuses a request without a valid signature the same way.)
 PUBLIC = {"/api/v1/healthz"}

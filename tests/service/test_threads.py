@@ -13,6 +13,8 @@ from tasks.compose import load_config
 from veoptim.errors import ConfigError
 from veoptim.service.threads import server_threads
 
+pytestmark = pytest.mark.starts_processes
+
 
 @pytest.mark.parametrize(
     ("setting", "env", "cores", "want"),

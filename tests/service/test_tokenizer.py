@@ -14,7 +14,7 @@ from tests.service.helpers import BASE_MODEL, InProcessServer, client_env
 from veoptim.data import bundled_tokenizer_dir, load_tokenizer
 from veoptim.service.hub_cache import MARKER, hub_repo_id, install_tokenizer
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.starts_processes, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
 def test_every_clients_tokenizer_loads_offline_for_the_default_name(tmp_path):

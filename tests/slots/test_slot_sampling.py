@@ -11,6 +11,10 @@ not what a row samples.
 - Compaction: the same tokens and stop reasons; log-probs within 1e-5 in FP32 (measured
   <= 1e-6): the decode steps after it run fewer rows, and this CPU's FP32 matrix kernels
   pick another summation order for another small row count (BF16 measured bitwise).
+- A generation advanced a few steps at a time, with another slot training between its
+  steps (what the service's worker does to serve other tenants meanwhile), samples
+  bitwise what one uninterrupted run does; a slot it samples from that is released or
+  replaced meanwhile fails it instead of sampling from another adapter.
 - The router's weights stacked once per generation, and its skipped gathers for rows in
   slot-major order, compute bitwise what a stack per forward and the gathers do, in
   sampling and in a training step's gradients."""
@@ -23,8 +27,9 @@ import pytest
 import torch
 
 from tests.slots.helpers import batch, build, train
+from veoptim.errors import SlotError
 from veoptim.slots.routing import SlotRouter
-from veoptim.slots.tokens import SampleRow, sample_tokens
+from veoptim.slots.tokens import Generation, SampleRow, sample_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -189,3 +194,33 @@ def test_rows_in_slot_order_train_bitwise_like_the_gathers(trainer, monkeypatch)
     slow = step()
     assert fast[0] == slow[0]
     assert all(torch.equal(fast[1][k], slow[1][k]) for k in fast[1])
+
+
+@pytest.mark.parametrize("kind", ["slot", "base"])
+def test_a_generation_in_steps_with_training_between_samples_like_one_run(trainer, kind):
+    rows = slot_rows(trainer) if kind == "slot" else base_rows(trainer)
+    whole = outcome(sample_tokens(trainer, fresh(rows)))
+    trainer.create_slot(3, r=4, seed=3)  # another tenant's slot, trained between the steps
+    try:
+        generation, turns = Generation(trainer, fresh(rows)), 0
+        before = {n: p.detach().clone() for n, p in trainer.slots[3].params.named}
+        while not generation.advance(3):
+            train(trainer, 1, [3], start=60 + turns)
+            turns += 1
+        assert turns >= 2  # the steps really were interleaved with training
+        assert any(not torch.equal(before[n], p) for n, p in trainer.slots[3].params.named)
+        assert same(outcome(generation.results()), whole)
+    finally:
+        trainer.release_slot(3)
+
+
+def test_a_generation_fails_when_a_slot_it_samples_from_is_replaced(trainer):
+    rows = [r for r in slot_rows(trainer) if r.slot == 1]
+    generation = Generation(trainer, fresh(rows))
+    assert not generation.advance(2)
+    trainer.release_slot(1)  # the module's last test: its trainer is not used again
+    trainer.create_slot(1, r=6, seed=99)  # the same index, another adapter
+    with pytest.raises(SlotError, match="released or replaced while a generation sampled"):
+        generation.advance()
+    with pytest.raises(RuntimeError, match="has not finished"):
+        generation.results()

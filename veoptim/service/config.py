@@ -51,6 +51,12 @@ class ServeSection:
         "Most rows (datums of forward_backward requests, samples of sampling requests) one "
         "batch holds; a single larger request runs alone.",
     )
+    slice_tokens: int = opt(
+        8,
+        "Decode steps (tokens per row) a sampling batch runs before the worker may run one "
+        "batch of waiting training requests (forward, forward_backward, optim_step); 0 = "
+        "the whole generation at once.",
+    )
     threads: int = opt(
         0,
         "torch intra-op threads of the server (each rank under torchrun); 0 = auto: "
@@ -89,6 +95,10 @@ class ServeConfig(MultiLoRAConfig):
         if s.schedule not in SCHEDULES:
             raise ConfigError(
                 f"serve.schedule must be one of {', '.join(SCHEDULES)}, got {s.schedule!r}."
+            )
+        if s.slice_tokens < 0:
+            raise ConfigError(
+                f"serve.slice_tokens must be >= 0 (0 = no slices), got {s.slice_tokens}."
             )
         if s.threads < 0:
             raise ConfigError(f"serve.threads must be >= 0 (0 = auto), got {s.threads}.")

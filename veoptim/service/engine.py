@@ -24,6 +24,13 @@ or samples; a single larger request runs alone). A tenant's small request theref
 for at most the batch that is running when it arrives, whatever another tenant has queued.
 ``fifo`` runs the earliest-arrived request first (the order before fairness; kept for
 comparisons).
+
+A sampling batch runs a slice at a time (:class:`Slices`: ``serve.slice_tokens`` decode
+steps per row): between two of its slices the worker runs one batch of the training
+requests (``forward``, ``forward_backward``, ``optim_step``) that are runnable, in the
+schedule's order. A tenant's training request therefore waits for one slice of another
+tenant's sampling, not for the whole generation. Other requests (sampling, saves, loads,
+model creation) wait for the batch to end: they could change the slots it samples from.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from veoptim.service.config import SCHEDULES
 from veoptim.service.db import ModelStatus
@@ -49,6 +56,23 @@ DRAINING = (
     "the server is draining (it received SIGTERM) and accepts no new work; try another "
     "server or later."
 )
+
+#: The requests that may run between two slices of a batch in progress: they change no
+#: slot but their own model's (a sampling batch samples from snapshots or the base).
+BETWEEN_SLICES = frozenset({"forward", "forward_backward", "optim_step"})
+
+
+class Slices(Protocol):
+    """A batch that runs a slice at a time (a sampling batch's decode steps)."""
+
+    def advance(self) -> bool:
+        """Run the next slice; whether the batch has ended."""
+
+    def results(self) -> list[Any]:
+        """Each request's result (or the exception that failed it alone), once ended."""
+
+    def abandon(self) -> None:
+        """Drop what the batch holds (it failed or the server stops)."""
 
 
 @dataclass
@@ -101,7 +125,7 @@ class Model:
 
 class Engine:
     def __init__(self, futures: FutureTable, *, batch_tenants: bool, gap_timeout_s: float,
-                 run_batch: Callable[[list[Op]], list[Any]], schedule: str = "fair",
+                 run_batch: Callable[[list[Op]], list[Any] | Slices], schedule: str = "fair",
                  max_batch_rows: int = 64) -> None:  # fmt: skip
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -117,6 +141,8 @@ class Engine:
         self._stopping = False
         self._deadline = float("inf")
         self._busy = False
+        #: The batch in progress between its slices, and its requests.
+        self._slicing: tuple[list[Op], Slices] | None = None
         self._thread = threading.Thread(target=self._loop, name="veoptim-service-worker")
         self._thread.daemon = True
 
@@ -246,8 +272,11 @@ class Engine:
     def _take(self) -> list[Op]:
         """The next ops to run (under the lock): the first runnable op in the schedule's
         order, plus, for a batchable one, the runnable ops that join it (heads of other
-        models' queues, unordered requests), in the same order, within the row bound."""
+        models' queues, unordered requests), in the same order, within the row bound.
+        While a batch is in progress, only ops that may run between its slices."""
         candidates = self._runnable()
+        if self._slicing is not None:
+            candidates = [h for h in candidates if h.op.kind in BETWEEN_SLICES]
         if not candidates:
             return []
         first = candidates[0]
@@ -321,14 +350,18 @@ class Engine:
         while True:
             with self._cond:
                 ops = self._take() if not self._past_deadline() else []
-                while not ops:
+                while not ops and self._slicing is None:
                     if self._stopping:
                         return
                     self._cond.wait(0.25)
                     ops = self._take()
                 self._busy = True
             try:
-                self._execute(ops)
+                in_progress = self._slicing is not None  # else ops may start one: its turn next
+                if ops:
+                    self._execute(ops)
+                if in_progress:
+                    self._next_slice()
             finally:
                 with self._cond:
                     self._busy = False
@@ -340,13 +373,45 @@ class Engine:
                 results = self._run_batch(ops)
             else:
                 results = [ops[0].run()]  # type: ignore[misc]
-        except Exception as exc:  # every request of the batch fails alike
-            message, category = describe(exc)
-            if category == SERVER:
-                log.exception("%s failed", ops[0].kind)
-            for op in ops:
-                self.futures.fail(op.future, message, category)  # type: ignore[arg-type]
+        except Exception as exc:
+            self._fail_all(ops, exc)
             return
+        if isinstance(results, list):
+            self._deliver(ops, results)
+        else:
+            self._slicing = (ops, results)
+
+    def _next_slice(self) -> None:
+        """The batch in progress: its next slice, and its results once it ended (or it is
+        abandoned, its requests failed, once the drain's deadline passed)."""
+        ops, slices = self._slicing  # type: ignore[misc]
+        try:
+            if self._past_deadline():
+                raise ServiceError("the server shut down before this request finished.",
+                                   category=SERVER)  # fmt: skip
+            if not slices.advance():
+                return
+            results = slices.results()
+        except Exception as exc:
+            self._slicing = None
+            try:
+                slices.abandon()
+            except Exception:
+                log.warning("could not drop the abandoned %s batch", ops[0].kind, exc_info=True)
+            self._fail_all(ops, exc)
+            return
+        self._slicing = None
+        self._deliver(ops, results)
+
+    def _fail_all(self, ops: list[Op], exc: Exception) -> None:
+        """Every request of the batch fails alike."""
+        message, category = describe(exc)
+        if category == SERVER:
+            log.exception("%s failed", ops[0].kind)
+        for op in ops:
+            self.futures.fail(op.future, message, category)  # type: ignore[arg-type]
+
+    def _deliver(self, ops: list[Op], results: list[Any]) -> None:
         for op, result in zip(ops, results, strict=True):
             if isinstance(result, Exception):
                 self.futures.fail(op.future, *describe(result))  # type: ignore[arg-type]
@@ -390,5 +455,8 @@ class Engine:
     def idle(self) -> bool:
         with self._cond:
             return (
-                not self._busy and not self._free and not any(m.queue for m in self.models.values())
+                not self._busy
+                and self._slicing is None
+                and not self._free
+                and not any(m.queue for m in self.models.values())
             )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import weakref
 from collections.abc import Callable, Collection
 from datetime import timedelta
 from pathlib import Path
@@ -32,12 +33,12 @@ from veoptim.distributed.sizes import rank_slice
 from veoptim.service.errors import SERVER, ServiceError, describe
 from veoptim.slots import SlotTrainer
 from veoptim.slots.tokens import (
+    Generation,
     SampledRow,
     SampleRow,
     TokenPass,
     forward_tokens,
     optim_step_clipped,
-    sample_tokens,
 )
 
 log = logging.getLogger("veoptim.service")
@@ -114,9 +115,22 @@ class ServedTrainer:
         (``train_slots``: the slots that train; the others' rows are a forward only)."""
         return self._everywhere("forward_tokens", batch, loss, backward, train_slots)
 
-    def sample(self, rows: list[SampleRow]) -> list[SampledRow]:
-        """:func:`sample_tokens` of ``rows``, each rank its share."""
-        return self._everywhere("sample", rows)
+    def start_sampling(self, rows: list[SampleRow]) -> None:
+        """A :class:`Generation` of ``rows`` on every rank (its share), prefilled; one at
+        a time per job."""
+        self._everywhere("start_sampling", rows)
+
+    def advance_sampling(self, steps: int | None) -> bool:
+        """:meth:`Generation.advance` everywhere; whether every row stopped."""
+        return self._everywhere("advance_sampling", steps)
+
+    def sampled(self) -> list[SampledRow]:
+        """The finished generation's rows, in the order they were started; it is dropped."""
+        return self._everywhere("sampled")
+
+    def drop_sampling(self) -> None:
+        """Drop the generation in progress (if any) on every rank."""
+        self._everywhere("drop_sampling")
 
     # ------------------------------------------------------------------ rank 0
     def _everywhere(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -223,9 +237,31 @@ def _forward(trainer: SlotTrainer, rank: int, world: int, batch: dict[str, torch
     )
 
 
-def _sample(trainer: SlotTrainer, rank: int, world: int, rows: list[SampleRow]) -> list:
+#: Each trainer's generation in progress in this process (the worker runs one at a time).
+_GENERATIONS: weakref.WeakKeyDictionary[SlotTrainer, Generation] = weakref.WeakKeyDictionary()
+
+
+def _start_sampling(trainer: SlotTrainer, rank: int, world: int, rows: list[SampleRow]) -> None:
+    _GENERATIONS.pop(trainer, None)
     mine = rank_slice(len(rows), rank, world)
-    return sample_tokens(trainer, [rows[i] for i in mine], pad_with=rows[0])
+    _GENERATIONS[trainer] = Generation(trainer, [rows[i] for i in mine], pad_with=rows[0])
+
+
+def _generation(trainer: SlotTrainer) -> Generation:
+    generation = _GENERATIONS.get(trainer)
+    if generation is None:
+        raise ServiceError("no sampling batch is in progress on this rank.", category=SERVER)
+    return generation
+
+
+def _drop_sampling(trainer: SlotTrainer) -> None:
+    _GENERATIONS.pop(trainer, None)
+
+
+def _sampled(trainer: SlotTrainer) -> list[SampledRow]:
+    rows = _generation(trainer).results()
+    del _GENERATIONS[trainer]
+    return rows
 
 
 CALLS: dict[str, Callable[..., Any]] = {
@@ -241,7 +277,10 @@ CALLS: dict[str, Callable[..., Any]] = {
         t, slot, clip, **adam
     ),
     "forward_tokens": _forward,
-    "sample": _sample,
+    "start_sampling": _start_sampling,
+    "advance_sampling": lambda t, _r, _w, steps, /: _generation(t).advance(steps),
+    "sampled": lambda t, _r, _w, /: _sampled(t),
+    "drop_sampling": lambda t, _r, _w, /: _drop_sampling(t),
 }
 
 
@@ -254,5 +293,5 @@ def _combine_forward(results: list[TokenPass], args: tuple) -> TokenPass:
 #: How rank 0 puts the ranks' results together (the other calls answer rank 0's own).
 COMBINE: dict[str, Callable[[list[Any], tuple], Any]] = {
     "forward_tokens": _combine_forward,
-    "sample": lambda results, args: [row for part in results for row in part],
+    "sampled": lambda results, args: [row for part in results for row in part],
 }

@@ -25,7 +25,7 @@ from veoptim.service.catalog import Catalog
 from veoptim.service.checkpoints import Checkpoints
 from veoptim.service.config import ServeConfig
 from veoptim.service.db import DB_FILE, Database
-from veoptim.service.engine import Engine, Op
+from veoptim.service.engine import Engine, Op, Slices
 from veoptim.service.errors import Redactor
 from veoptim.service.futures import FutureTable
 from veoptim.service.hub_cache import install_tokenizer
@@ -70,7 +70,8 @@ class Service:
                                cfg.serve.max_datums)  # fmt: skip
         self.checkpoints = Checkpoints(served, self.db, self.engine, self.slots, self.backend,
                                        metrics)  # fmt: skip
-        self.samplers = Samplers(served, self.db, self.engine, self.slots, self.base, metrics)
+        self.samplers = Samplers(served, self.db, self.engine, self.slots, self.base, metrics,
+                                 cfg.serve.slice_tokens)  # fmt: skip
         self.sessions = Sessions(self.db, self.engine, self.backend, self.samplers)
         self.catalog = Catalog(self.db)
         self.links = Links()
@@ -128,8 +129,9 @@ class Service:
         self.served.stop_followers()
         self.db.close()
 
-    def run_batch(self, ops: list[Op]) -> list[Any]:
-        """The worker's batches: sampling requests, or forward_backward requests."""
+    def run_batch(self, ops: list[Op]) -> list[Any] | Slices:
+        """The worker's batches: sampling requests (run a slice at a time), or
+        forward_backward requests."""
         if isinstance(ops[0].batch, SampleBatch):
             return self.samplers.run(ops)
         return self.backend.forward_backward(ops)

@@ -10,8 +10,11 @@ a sampler slot, so a later ``optim_step`` of the training slot never changes wha
 earlier snapshot samples. Cached snapshot slots give way (least recently used first)
 when a training model or another snapshot needs a slot, and are freed when no live
 session samples them. The heads of the queue that sample (several requests, tenants
-and snapshots) run as one batch of rows through :func:`sample_tokens` (a KV cache,
-each row through its own slot's adapter; base-model requests batch among themselves).
+and snapshots) run as one batch of rows, a
+:class:`~veoptim.slots.tokens.Generation` (a KV cache, each row through its own
+slot's adapter; base-model requests batch among themselves), decoded
+``serve.slice_tokens`` steps at a time so that the worker can run other tenants'
+training requests between the slices.
 """
 
 from __future__ import annotations
@@ -105,9 +108,12 @@ class Samplers:
     :class:`~veoptim.service.slots.Slots`."""
 
     def __init__(self, trainer: ServedTrainer, database: Database, engine: Engine, slots: Slots,
-                 served: ServedModel, metrics: MetricsLog) -> None:  # fmt: skip
+                 served: ServedModel, metrics: MetricsLog, slice_tokens: int = 0,
+                 ) -> None:  # fmt: skip
         self.trainer, self.db, self.engine, self.slots = trainer, database, engine, slots
         self.served, self.metrics = served, metrics
+        #: Decode steps per slice of a sampling batch (0: the whole generation at once).
+        self.slice_tokens = slice_tokens
 
     # ------------------------------------------------------------------ sessions
     def create(self, tenant_id: int, session_id: str,
@@ -252,9 +258,10 @@ class Samplers:
         return frozenset(stop), ()
 
     # ------------------------------------------------------------------ worker
-    def run(self, ops: list[Op]) -> list[Any]:
-        """Run the sample requests of ``ops`` as one batch (worker thread); each result is
-        a SampleResponse protobuf, or the exception that failed that request alone."""
+    def run(self, ops: list[Op]) -> list[Any] | SamplingBatch:
+        """The sample requests of ``ops`` as one batch (worker thread), prefilled and then
+        decoded a slice at a time; a request that failed before the batch started is its
+        exception in the results."""
         results: list[Any] = [None] * len(ops)
         rows: list[SampleRow] = []
         owners: list[tuple[int, SampleRequest, int, int | None]] = []  # op, request, row, slot
@@ -277,23 +284,7 @@ class Samplers:
                 ))  # fmt: skip
         if not rows:
             return results
-        began = time.perf_counter()
-        sampled = self.trainer.sample(rows)
-        seconds = round(time.perf_counter() - began, 6)
-        for k, request, first, slot in owners:
-            mine = sampled[first : first + request.num_samples]
-            prompt_lp = mine[0].prompt_logprobs
-            if prompt_lp is not None and request.last_n is not None:
-                prompt_lp[: len(request.prompt) - request.last_n] = float("nan")
-            results[k] = encode_sample_response(
-                [(s.tokens, s.logprobs, s.stopped) for s in mine],
-                None if prompt_lp is None else prompt_lp.numpy(),
-            )
-            self.metrics.write(request.sampler, request.tenant_id, slot, "sample",
-                               samples=request.num_samples, tokens=sum(len(s.tokens) for s in mine),
-                               rows_in_batch=len(rows), seconds=seconds)  # fmt: skip
-        log.info("sampled %d rows of %d requests in %.3f s", len(rows), len(owners), seconds)
-        return results
+        return SamplingBatch(self, rows, owners, results)
 
     def _slot(self, request: SampleRequest, needed: set[Any]) -> int | None:
         """The slot holding the request's snapshot (None: the base alone); a snapshot whose
@@ -313,3 +304,47 @@ class Samplers:
     def release_unused(self) -> None:
         """Free the snapshot slots no live session samples (worker thread)."""
         self.slots.keep_snapshots(self.db.sampled_store_refs())
+
+
+class SamplingBatch:
+    """A sampling batch in progress: prefilled when built, then decoded
+    ``serve.slice_tokens`` steps per :meth:`advance` (all at once with 0), so that the
+    worker can run other tenants' training requests between its slices."""
+
+    def __init__(self, samplers: Samplers, rows: list[SampleRow],
+                 owners: list[tuple[int, SampleRequest, int, int | None]],
+                 results: list[Any]) -> None:  # fmt: skip
+        self.samplers, self.owners, self.rows, self._results = samplers, owners, len(rows), results
+        self.trainer = samplers.trainer
+        began = time.perf_counter()
+        self.trainer.start_sampling(rows)
+        #: The seconds the batch itself ran (its slices; not the requests run between them).
+        self.seconds = time.perf_counter() - began
+
+    def advance(self) -> bool:
+        began = time.perf_counter()
+        finished = self.trainer.advance_sampling(self.samplers.slice_tokens or None)
+        self.seconds += time.perf_counter() - began
+        return finished
+
+    def results(self) -> list[Any]:
+        sampled = self.trainer.sampled()
+        seconds = round(self.seconds, 6)
+        for k, request, first, slot in self.owners:
+            mine = sampled[first : first + request.num_samples]
+            prompt_lp = mine[0].prompt_logprobs
+            if prompt_lp is not None and request.last_n is not None:
+                prompt_lp[: len(request.prompt) - request.last_n] = float("nan")
+            self._results[k] = encode_sample_response(
+                [(s.tokens, s.logprobs, s.stopped) for s in mine],
+                None if prompt_lp is None else prompt_lp.numpy(),
+            )
+            self.samplers.metrics.write(request.sampler, request.tenant_id, slot, "sample",
+                                        samples=request.num_samples,
+                                        tokens=sum(len(s.tokens) for s in mine),
+                                        rows_in_batch=self.rows, seconds=seconds)  # fmt: skip
+        log.info("sampled %d rows of %d requests in %.3f s", self.rows, len(self.owners), seconds)
+        return self._results
+
+    def abandon(self) -> None:
+        self.trainer.drop_sampling()

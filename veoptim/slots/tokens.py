@@ -19,7 +19,8 @@ row through its own slot's adapter: what a sampler of the service runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -74,8 +75,6 @@ def forward_tokens(
             )
         slot_ids = trainer.batch_slot_ids({**batch, "labels": targets})
         present = trainer.present_slots(slot_ids)
-        for s in present:
-            trainer.check_slot(s)
         device = trainer.ctx.device
         model_inputs = {INPUT_IDS: inputs.to(device)}
         if ATTENTION_MASK in batch:
@@ -181,12 +180,25 @@ def sample_tokens(
     share_prefill: bool = True,
     compact: bool = True,
 ) -> list[SampledRow]:
-    """Generate every row at once with a KV cache (the model's ``past_key_values``):
-    prompts left-padded to the longest, each row through its slot's adapter (rows of
-    ``slot=None`` through the base alone; a batch is all one or all the other), one
-    token per row per step until each row stops. ``temperature == 0`` is greedy
-    (argmax); otherwise each row draws from its own ``generator``. No gradients, no
+    """Generate every row at once with a KV cache: a :class:`Generation` run to its end."""
+    generation = Generation(trainer, rows, pad_with, share_prefill=share_prefill, compact=compact)
+    generation.advance()
+    return generation.results()
+
+
+class Generation:
+    """A sampling batch in progress: every row at once with a KV cache (the model's
+    ``past_key_values``), prompts left-padded to the longest, each row through its slot's
+    adapter (rows of ``slot=None`` through the base alone; a batch is all one or all the
+    other), one token per row per step until each row stops. ``temperature == 0`` is
+    greedy (argmax); otherwise each row draws from its own ``generator``. No gradients, no
     change to any slot.
+
+    Built, it has prefilled its prompts; :meth:`advance` decodes a number of steps at a
+    time, so that other passes over the trainer (training another slot) may run between
+    its steps without changing what it computes: each call takes the trainer's lock, routes
+    its rows again, and checks that its slots are the very ones it started with (a slot
+    released or replaced meanwhile fails it instead of sampling from another adapter).
 
     ``share_prefill``: rows with the same prompt and slot (the samples of one request)
     prefill that prompt once, and each row then decodes from its own copy of its KV cache.
@@ -194,85 +206,125 @@ def sample_tokens(
     rows leave the batch (their cache too), so a step computes only the rows that need it.
     Neither changes what a row computes, only the batch it computes in.
 
-    Under ``torchrun`` every rank calls it with its own rows (of one kind: slot or base)
-    and steps until the rows of every rank stop; a rank without rows runs ``pad_with``
-    (a row of the same kind) and returns nothing."""
-    with trainer._lock:
-        world = trainer.ctx.world_size
-        real = len(rows)
-        if not rows:
-            if world == 1 or pad_with is None:
-                return []
+    Under ``torchrun`` every rank builds it with its own rows (of one kind: slot or base)
+    and advances it by the same steps until the rows of every rank stop; a rank without
+    rows runs ``pad_with`` (a row of the same kind) and returns nothing."""
+
+    def __init__(self, trainer: SlotTrainer, rows: list[SampleRow],
+                 pad_with: SampleRow | None = None, *, share_prefill: bool = True,
+                 compact: bool = True) -> None:  # fmt: skip
+        self.trainer, self.compact = trainer, compact
+        self.real = len(rows)
+        if not rows and trainer.ctx.world_size > 1 and pad_with is not None:
             rows = [replace(pad_with, max_tokens=0, prompt_logprobs=False)]
-        slots = [r.slot for r in rows]
-        base = all(s is None for s in slots)
-        if not base and any(s is None for s in slots):
+        self.rows = rows
+        self.out = [SampledRow([], [], False) for _ in rows]
+        #: Every row of every rank stopped (or there is nothing to generate).
+        self.finished = not rows
+        if not rows:
+            return
+        self.slots = [r.slot for r in rows]
+        self.base = all(s is None for s in self.slots)
+        if not self.base and any(s is None for s in self.slots):
             raise DataError("a sampling batch is either all base-model rows or all slot rows.")
-        present = [] if base else trainer._present(torch.tensor(slots))
-        for s in present:
-            trainer._slot(s)
-        device, router = trainer.ctx.device, trainer.router
-        firsts, owner = _prefills(rows, share_prefill)
-        ids, mask, positions = _left_padded([rows[i].prompt for i in firsts])
-        layers = slot_layers(trainer.model)
-        if base:
-            for layer in layers.values():
-                layer.router = None
-        out = [SampledRow([], [], False) for _ in rows]
-        try:
-            with torch.no_grad():
-                if not base:
-                    router.route(torch.tensor([slots[i] for i in firsts]), present)
-                    router.hold_weights()  # one stack of the slots' weights for every step
+        with trainer.lock:
+            self.present = [] if self.base else trainer.present_slots(torch.tensor(self.slots))
+            #: The slot states it samples from: the same objects at every step.
+            self.states = {s: trainer.slots[s] for s in self.present}
+            device = trainer.ctx.device
+            firsts, owner = _prefills(rows, share_prefill)
+            ids, mask, positions = _left_padded([rows[i].prompt for i in firsts])
+            with self._routed(firsts):
                 result = trainer.model(input_ids=ids.to(device), attention_mask=mask.to(device),
                                        position_ids=positions.to(device), use_cache=True)  # fmt: skip
                 logits = result.logits.float()
-                _prompt_logprobs(rows, owner, out, logits, ids)
-                cache, mask = result.past_key_values, mask.to(device)
-                next_pos = positions[:, -1:].to(device) + 1
+                _prompt_logprobs(rows, owner, self.out, logits, ids)
+                self.cache, self.mask = result.past_key_values, mask.to(device)
+                self.next_pos = positions[:, -1:].to(device) + 1
                 if len(firsts) < len(rows):  # every row its own copy of its prompt's cache
                     index = torch.tensor(owner, device=device)
-                    cache.batch_select_indices(index)
-                    mask, next_pos, last = mask[index], next_pos[index], logits[index, -1]
-                    if not base:
-                        router.route(torch.tensor(slots), present)
+                    self.cache.batch_select_indices(index)
+                    self.mask, self.next_pos = self.mask[index], self.next_pos[index]
+                    self.last = logits[index, -1]
                 else:
-                    last = logits[:, -1]
+                    self.last = logits[:, -1]
                 del result, logits
-                batch = list(range(len(rows)))  # the rows in the batch, in its order
-                done = [r.max_tokens <= 0 for r in rows]
-                finished = _all_done(trainer, done)
-                while not finished:
-                    chosen, logprobs = _next_tokens(last, [rows[i] for i in batch],
-                                                    [done[i] for i in batch])  # fmt: skip
-                    for k, i in enumerate(batch):
-                        if not done[i]:
-                            _append(trainer, rows[i], out[i], chosen[k], logprobs[k], done, i)
-                    finished = _all_done(trainer, done)
-                    if finished:
-                        break
-                    step = torch.tensor(chosen, device=device).unsqueeze(-1)
-                    keep = _kept(batch, done) if compact else None
-                    if keep is not None:
-                        index = torch.tensor(keep, device=device)
-                        cache.batch_select_indices(index)
-                        mask, next_pos, step = mask[index], next_pos[index], step[index]
-                        batch = [batch[k] for k in keep]
-                        if not base:
-                            router.route(torch.tensor([slots[i] for i in batch]), present)
-                    mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
-                    result = trainer.model(input_ids=step, attention_mask=mask,
-                                           position_ids=next_pos, past_key_values=cache,
-                                           use_cache=True)  # fmt: skip
-                    cache, last = result.past_key_values, result.logits[:, -1].float()
-                    next_pos = next_pos + 1
+            #: The rows in the batch, in its order.
+            self.batch = list(range(len(rows)))
+            self.done = [r.max_tokens <= 0 for r in rows]
+            self.finished = _all_done(trainer, self.done)
+
+    def advance(self, steps: int | None = None) -> bool:
+        """Decode at most ``steps`` more tokens per row (None: until every row stops);
+        whether every row of every rank has stopped. Collective under ``torchrun``: every
+        rank calls it with the same ``steps``."""
+        trainer, rows, done = self.trainer, self.rows, self.done
+        taken = 0
+        if self.finished or steps == 0:
+            return self.finished
+        with trainer.lock, self._routed(self.batch):
+            while steps is None or taken < steps:
+                chosen, logprobs = _next_tokens(self.last, [rows[i] for i in self.batch],
+                                                [done[i] for i in self.batch])  # fmt: skip
+                for k, i in enumerate(self.batch):
+                    if not done[i]:
+                        _append(trainer, rows[i], self.out[i], chosen[k], logprobs[k], done, i)
+                self.finished = _all_done(trainer, done)
+                if self.finished:
+                    break
+                step = torch.tensor(chosen, device=trainer.ctx.device).unsqueeze(-1)
+                keep = _kept(self.batch, done) if self.compact else None
+                if keep is not None:
+                    index = torch.tensor(keep, device=trainer.ctx.device)
+                    self.cache.batch_select_indices(index)
+                    self.mask, self.next_pos = self.mask[index], self.next_pos[index]
+                    step = step[index]
+                    self.batch = [self.batch[k] for k in keep]
+                    if not self.base:
+                        trainer.router.route(torch.tensor([self.slots[i] for i in self.batch]),
+                                             self.present)  # fmt: skip
+                self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.batch), 1)], dim=1)
+                result = trainer.model(input_ids=step, attention_mask=self.mask,
+                                       position_ids=self.next_pos, past_key_values=self.cache,
+                                       use_cache=True)  # fmt: skip
+                self.cache, self.last = result.past_key_values, result.logits[:, -1].float()
+                self.next_pos = self.next_pos + 1
+                taken += 1
+        if self.finished:
+            self.cache = self.last = None  # type: ignore[assignment]
+        return self.finished
+
+    def results(self) -> list[SampledRow]:
+        """This rank's rows (not ``pad_with``), once :meth:`advance` says finished."""
+        if not self.finished:
+            raise RuntimeError("the generation has not finished; advance it first.")
+        return self.out[: self.real]
+
+    @contextmanager
+    def _routed(self, batch: list[int]) -> Iterator[None]:
+        """Under the trainer's lock: the batch's rows routed to their slots (one stack of
+        the slots' weights for every step), or every layer on the base alone; undone on
+        exit, so that the trainer is as any other pass expects it."""
+        trainer = self.trainer
+        for s, state in self.states.items():
+            if trainer.slots.get(s) is not state:
+                raise SlotError(s, "was released or replaced while a generation sampled from it.")
+        layers = slot_layers(trainer.model)
+        if self.base:
+            for layer in layers.values():
+                layer.router = None
+        try:
+            with torch.no_grad():
+                if not self.base:
+                    trainer.router.route(torch.tensor([self.slots[i] for i in batch]), self.present)
+                    trainer.router.hold_weights()
+                yield
         finally:
-            if base:
+            if self.base:
                 for layer in layers.values():
                     layer.router = trainer.router
             trainer.router.clear()
             trainer.plan.reshard(trainer.model)
-        return out[:real]
 
 
 def _prefills(rows: list[SampleRow], share: bool) -> tuple[list[int], list[int]]:

@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Collection
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -158,14 +157,21 @@ class SlotTrainer:
             self.ctx.close()
 
     @property
-    def num_slots(self) -> int:
-        return len(self._params)
+    def lock(self) -> threading.RLock:
+        """Held by every pass over the model and every change of a slot (reentrant)."""
+        return self._lock
+
+    def present_slots(self, slot_ids: torch.Tensor) -> list[int]:
+        """The slots with rows on any rank (sorted; collective), each checked to exist and
+        be whole."""
+        present = self._present(slot_ids)
+        for slot in present:
+            self._slot(slot)
+        return present
 
     @property
-    def lock(self) -> AbstractContextManager[Any]:
-        """The (re-entrant) lock every call holds: a pass built of several calls holds it
-        around them all (``veoptim/slots/tokens.py``)."""
-        return self._lock
+    def num_slots(self) -> int:
+        return len(self._params)
 
     def holds(self, slot: int) -> bool:
         """Whether ``slot`` holds an adapter (created or loaded; maybe partly written)."""
@@ -447,15 +453,12 @@ class SlotTrainer:
             )
         return ids
 
-    def present_slots(self, slot_ids: torch.Tensor) -> list[int]:
+    def _present(self, slot_ids: torch.Tensor) -> list[int]:
         """The slots with rows on any rank (sorted; collective)."""
         rows = torch.zeros(self.num_slots, dtype=torch.float64)
         rows.index_add_(0, slot_ids, torch.ones(len(slot_ids), dtype=torch.float64))
         rows = self.plan.all_reduce_sum(rows.to(self.ctx.device)).cpu()
         return [s for s in range(self.num_slots) if rows[s] > 0]
-
-    #: The sampling half of ``tokens.py`` still calls it by this name.
-    _present = present_slots
 
     def apply_unscaled(self, slot: int) -> None:
         """The gradients ``slot`` accumulated are a loss *sum* (a caller's loss, not
