@@ -8,9 +8,9 @@ header, and the closing section on writing your own config files) lives here too
 from __future__ import annotations
 
 from veoptim.config.reference import config_keys, sections, task_sections
-from veoptim.lora.slots import MultiLoRAConfig
 from veoptim.objectives import DPOConfig, SFTConfig
 from veoptim.service.config import ServeConfig
+from veoptim.slots import MultiLoRAConfig
 
 HEADER = """# Config reference
 
@@ -125,7 +125,7 @@ def render() -> str:
     )
     out += _task_sections(
         "tasks.multi_lora",
-        "Its config (`veoptim/lora/slots/config.py`) replaces `data` and adds `slots`; "
+        "Its config (`veoptim/slots/config.py`) replaces `data` and adds `slots`; "
         "`lora.num_slots` and `lora.r` (each slot's maximum rank) matter there.",
         MultiLoRAConfig,
     )

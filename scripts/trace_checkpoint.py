@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from tasks.compose import load_config  # noqa: E402
 from veoptim.checkpoint import versions  # noqa: E402
 from veoptim.distributed import init_distributed  # noqa: E402
-from veoptim.lora.slots import MultiLoRAConfig, SlotTrainer  # noqa: E402
+from veoptim.slots import MultiLoRAConfig, SlotTrainer  # noqa: E402
 from veoptim.trainer import Trainer  # noqa: E402
 
 LIBRARY = REPO / "veoptim"

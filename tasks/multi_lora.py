@@ -32,8 +32,8 @@ from veoptim.data.records import Conversation, read_conversations
 from veoptim.data.sft import report_truncation, tokenize_conversations
 from veoptim.distributed import DistContext, init_distributed, setup_logging
 from veoptim.errors import ConfigError, DataError, VeoptimError
-from veoptim.lora.slots import SLOT_IDS, MultiLoRAConfig, SlotTrainer
 from veoptim.rundir import locked_run_dir
+from veoptim.slots import SLOT_IDS, MultiLoRAConfig, SlotTrainer
 
 from .cli import task_command
 from .runner import job_overrides, run_dir_of_job

@@ -84,11 +84,11 @@ def job(cfg: DictConfig) -> None:
 def serve_on(ctx: DistContext, config: ServeConfig) -> None:
     """Rank 0 serves; the other ranks of a torchrun job run its trainer calls. Returns
     once the service stopped, holding nothing of the model (the groups can go)."""
-    from veoptim.lora.slots import SlotTrainer
     from veoptim.service.ranks import ServedTrainer
     from veoptim.service.runtime import Service
     from veoptim.service.server import serve
     from veoptim.service.threads import apply_server_threads
+    from veoptim.slots import SlotTrainer
 
     apply_server_threads(config.serve.threads)
     served = ServedTrainer(SlotTrainer.from_config(config, ctx), config.serve.rank_timeout_s)

@@ -53,7 +53,7 @@ PRELOAD = [
     "veoptim.objectives.sft",
     "veoptim.objectives.dpo",
     "veoptim.lora.inject",
-    "veoptim.lora.slots.trainer",
+    "veoptim.slots.trainer",
     "veoptim.service.server",
     "pytest",
     "tests.distributed.spawn",

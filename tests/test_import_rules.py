@@ -5,7 +5,8 @@ callbacks; the checkpoint package knows only state components, never the trainer
 specific component, an optimizer or a model; optimizers know nothing of files; data
 knows nothing of models; the loop knows no task. The DCP storage under
 ``veoptim/checkpoint/storage/`` is entered only through its package's own functions (its
-door); and no two files of the library import each other, directly or round a circle.
+door); no two files of the library import each other, directly or round a circle; and no
+two of its packages do, not even through imports under ``if TYPE_CHECKING:``.
 """
 
 from __future__ import annotations
@@ -45,12 +46,18 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "veoptim.distributed",
     ),
     "veoptim.state": ("veoptim.trainer", "veoptim.objectives"),
-    "veoptim.export": ("veoptim.trainer", "veoptim.objectives", "veoptim.optim"),
-    "veoptim.trainer": ("veoptim.objectives",),
-    "veoptim.lora": ("veoptim.trainer", "veoptim.objectives", "veoptim.export", "veoptim.optim"),
+    "veoptim.export": ("veoptim.trainer", "veoptim.objectives", "veoptim.optim", "veoptim.slots"),
+    "veoptim.trainer": ("veoptim.objectives", "veoptim.slots"),
+    "veoptim.lora": (
+        "veoptim.trainer",
+        "veoptim.objectives",
+        "veoptim.export",
+        "veoptim.optim",
+        "veoptim.slots",
+    ),
     # The multi-LoRA slot runtime composes adapters, optimizers, checkpoints and exports;
-    # it is a sibling of the Trainer, not built on it.
-    "veoptim.lora.slots": ("veoptim.trainer", "veoptim.objectives"),
+    # it is a sibling of the Trainer, not built on it (and neither imports the other).
+    "veoptim.slots": ("veoptim.trainer", "veoptim.objectives", "veoptim.service"),
     # The training service drives the slots only through SlotTrainer: no checkpoint,
     # state or optimizer internals, and no single-model Trainer.
     "veoptim.service": (
@@ -61,8 +68,6 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "veoptim.optim",
     ),
 }
-#: package -> subpackages its rule does not govern (they have their own rule above).
-EXEMPT: dict[str, tuple[str, ...]] = {"veoptim.lora": ("veoptim.lora.slots",)}
 
 
 def module_name(path: Path) -> str:
@@ -104,8 +109,6 @@ def violations(module: str, source: str, is_package: bool = False) -> list[str]:
     for imported in sorted(imported_modules(source, module, is_package)):
         for package, forbidden in FORBIDDEN.items():
             if not _within(module, package):
-                continue
-            if any(_within(module, sub) for sub in EXEMPT.get(package, ())):
                 continue
             for prefix in forbidden:
                 if _within(imported, prefix):
@@ -200,6 +203,56 @@ def test_no_library_files_import_each_other_round_a_circle():
     assert circles(graph) == []
 
 
+def package_of(module: str) -> str:
+    """The package of the library a module belongs to: ``veoptim.lora.state`` ->
+    ``veoptim.lora``; a shared leaf (``veoptim.errors``) is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the other packages its modules import (from a module graph)."""
+    out: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        package = package_of(module)
+        out.setdefault(package, set()).update({package_of(m) for m in imported} - {package})
+    return out
+
+
+def test_no_two_packages_import_each_other_not_even_for_type_checking():
+    """The library's packages can be read in an order where each needs only those before
+    it: no circle of packages, not even one closed by an import under ``TYPE_CHECKING``
+    or inside a function."""
+    modules = library_modules()
+    graph = {n: runtime_imports(n, p, modules, type_checking=True) for n, p in modules.items()}
+    packages = package_graph(graph)
+    assert len(packages) > 15 and "veoptim.slots" in packages  # the graph is really read
+    assert {"veoptim.lora", "veoptim.state", "veoptim.optim"} <= packages["veoptim.slots"]
+    assert circles(packages) == []
+
+
+def test_the_package_check_finds_a_circle_closed_for_type_checking(tmp_path):
+    """Negative control: two packages whose modules import each other's only round an
+    import under ``if TYPE_CHECKING:`` form a circle of packages, though no module circle
+    (and none without the type-checking import)."""
+    sources = {
+        "veoptim.alpha.x": "from veoptim.beta.y import f\n",
+        "veoptim.alpha.z": "G = 1\n",
+        "veoptim.beta.y": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from veoptim.alpha.z import G\n"
+        ),
+    }
+    paths = {}
+    for module, text in sources.items():
+        paths[module] = tmp_path / f"{module}.py"
+        paths[module].write_text(text)
+    graph = {n: runtime_imports(n, p, sources, type_checking=True) for n, p in paths.items()}
+    assert circles(graph) == []
+    assert circles(package_graph(graph)) == [["veoptim.alpha", "veoptim.beta"]]
+    at_runtime = {n: runtime_imports(n, p, sources) for n, p in paths.items()}
+    assert circles(package_graph(at_runtime)) == []
+
+
 def test_the_service_package_has_no_import_circle_not_even_for_type_checking():
     """The training service's layers (HTTP -> engine -> backend -> slots, the data layer
     beneath them) only ever import downwards: no circle closed by ``TYPE_CHECKING``."""
@@ -259,7 +312,10 @@ def test_the_rules_catch_a_forbidden_import():
     assert not violations("veoptim.state.extra", "from veoptim.checkpoint import contents\n")
     assert not violations("tasks.extra", "from veoptim.trainer import Trainer\n")
     assert violations("veoptim.lora.extra", "from veoptim.optim import build_optimizer\n")
-    assert not violations("veoptim.lora.slots.extra", "from veoptim.optim import build_optimizer\n")
-    assert violations("veoptim.lora.slots.extra", "from veoptim.trainer import Trainer\n")
+    assert not violations("veoptim.slots.extra", "from veoptim.optim import build_optimizer\n")
+    assert not violations("veoptim.slots.extra", "from veoptim.export import publish_adapter\n")
+    assert violations("veoptim.slots.extra", "from veoptim.trainer import Trainer\n")
+    assert violations("veoptim.lora.extra", "from veoptim.slots import SlotTrainer\n")
+    assert violations("veoptim.export.extra", "from veoptim.slots.routing import SlotParams\n")
     assert violations("veoptim.service.extra", "from veoptim.checkpoint import publish\n")
-    assert not violations("veoptim.service.extra", "from veoptim.lora.slots import SlotTrainer\n")
+    assert not violations("veoptim.service.extra", "from veoptim.slots import SlotTrainer\n")

@@ -76,7 +76,7 @@ def in_process_rows(count: int, max_tokens: int, eos: int | None, k: int) -> lis
     """The rows of ``count`` clients' requests as the server's worker builds them."""
     import torch
 
-    from veoptim.lora.slots.tokens import SampleRow
+    from veoptim.slots.tokens import SampleRow
 
     stop = frozenset() if eos is None else frozenset({eos})
     return [SampleRow(service_bench.sampling_prompt(i), i, max_tokens, 1.0,
@@ -86,7 +86,7 @@ def in_process_rows(count: int, max_tokens: int, eos: int | None, k: int) -> lis
 
 def in_process_rate(trainer: Any, count: int, args: argparse.Namespace, repeats: int) -> float:
     """Median tokens/s of ``sample_tokens`` over ``count`` clients' rows in one batch."""
-    from veoptim.lora.slots.tokens import sample_tokens
+    from veoptim.slots.tokens import sample_tokens
 
     eos = trainer.tokenizer.eos_token_id
     rates = []
@@ -102,7 +102,7 @@ def in_process_rate(trainer: Any, count: int, args: argparse.Namespace, repeats:
 def clients_part(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The SDK clients' tokens/s against ``sample_tokens`` of the same rows in process."""
     from tasks.compose import load_config
-    from veoptim.lora.slots import SlotTrainer
+    from veoptim.slots import SlotTrainer
 
     counts = [int(n) for n in args.clients.split(",")]
     cfg = load_config("serve", [f"run.dir={work / 'in_process'}",
@@ -183,7 +183,7 @@ def peft_copy(trainer: Any, slot: int) -> Any:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from veoptim.lora.slots.routing import slot_adapter_name, slot_layers
+    from veoptim.slots.routing import slot_adapter_name, slot_layers
 
     layers, name = slot_layers(trainer.model), slot_adapter_name(slot)
     spec = next(iter(layers.values())).specs[name]
@@ -203,8 +203,8 @@ def decode_model(name: str, args: argparse.Namespace, work: Path) -> dict[str, A
     import torch
 
     from tasks.compose import load_config
-    from veoptim.lora.slots import SlotTrainer
-    from veoptim.lora.slots.tokens import SampleRow, sample_tokens
+    from veoptim.slots import SlotTrainer
+    from veoptim.slots.tokens import SampleRow, sample_tokens
 
     context = args.prompt_tokens + args.new_tokens
     cfg = load_config("serve", [f"run.dir={work / name}", *MODELS[name], "model.dtype=bf16",

@@ -282,7 +282,7 @@ def in_process(
     sampling and RL figures, and the training rounds (measured later, around the SDK runs
     they are compared with)."""
     from tasks.compose import load_config
-    from veoptim.lora.slots import SlotTrainer
+    from veoptim.slots import SlotTrainer
 
     if not parts & {"train", "sample", "rl"}:
         return {}, None
@@ -322,8 +322,8 @@ class TrainingRounds:
             self.run(list(range(SLOTS)))
 
     def run(self, slots: list[int]) -> tuple[float, int]:
-        from veoptim.lora.slots.tokens import forward_tokens, optim_step_clipped
         from veoptim.service.backend import build_batch
+        from veoptim.slots.tokens import forward_tokens, optim_step_clipped
 
         start = time.perf_counter()
         batch = build_batch([(s, d) for s in slots for d in self.rows[s]], self.loss)
@@ -345,7 +345,7 @@ def in_process_sampling(args: argparse.Namespace, trainer: Any) -> dict[str, Any
     """Tokens/s of one generation of one slot's row, and of 16 slots' rows together."""
     import torch
 
-    from veoptim.lora.slots.tokens import SampleRow, sample_tokens
+    from veoptim.slots.tokens import SampleRow, sample_tokens
 
     prompts = {s: sampling_prompt(s) for s in range(SLOTS)}
 
@@ -371,10 +371,10 @@ def in_process_rl(args: argparse.Namespace, trainer: Any) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from veoptim.lora.slots import tokens as slot_tokens
     from veoptim.service.backend import build_batch
     from veoptim.service.losses import get_loss
     from veoptim.service.wire import Datum
+    from veoptim.slots import tokens as slot_tokens
 
     loss = get_loss("importance_sampling", {})
     prompt = sampling_prompt(0)

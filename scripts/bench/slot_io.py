@@ -46,7 +46,7 @@ import torch
 from checkpoint_io import evict  # the sibling benchmark's (run as a script from here)
 
 from veoptim.data import IGNORE_INDEX, collate, load_sft_dataset
-from veoptim.lora.slots import SLOT_IDS, MultiLoRAConfig, SlotTrainer
+from veoptim.slots import SLOT_IDS, MultiLoRAConfig, SlotTrainer
 
 HEAD_DIM = 64
 LIVE_COUNTS = (1, 4, 16)

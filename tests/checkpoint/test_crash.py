@@ -22,14 +22,14 @@ import torch
 from tests import forkserver
 from tests.checkpoint.helpers.payload import check_payload, write_payload
 from tests.conftest import REPO
-from tests.lora.slots.helpers import build, differences
+from tests.slots.helpers import build, differences
 from veoptim.checkpoint import layout
 from veoptim.checkpoint.faults import PHASE_AFTER_REPLACE, PHASES, SAVE_PHASES
 from veoptim.checkpoint.layout import published_names
 from veoptim.checkpoint.publish import Publisher
 from veoptim.checkpoint.versions import latest_complete, resolve
 from veoptim.errors import CheckpointError
-from veoptim.lora.slots.store import SlotStore
+from veoptim.slots.store import SlotStore
 
 pytestmark = pytest.mark.slow
 

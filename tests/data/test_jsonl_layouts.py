@@ -21,7 +21,7 @@ from tests.data.test_hf_datasets import (
     load,
     write_chats,
 )
-from veoptim.data.layouts import LAYOUTS
+from veoptim.data.conversation_shapes import LAYOUTS
 from veoptim.errors import DataError
 
 pytestmark = pytest.mark.slow

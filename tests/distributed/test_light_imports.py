@@ -64,7 +64,7 @@ def _task_command(task: str, *args: str) -> str:
         _task_command("sft", "optim.lrr=1e-3"),
         _task_command("sft", "model.dtype=fp16"),
         _task_command("dpo", "train.max_step=5"),
-        "import tasks.serve, veoptim.lora.slots, veoptim.service",
+        "import tasks.serve, veoptim.slots, veoptim.service",
         _task_command("serve", "serve.portt=1"),
     ],
     ids=[

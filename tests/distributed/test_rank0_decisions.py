@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tests.checkpoint.ckpt_state import build_trainer
 from tests.distributed.spawn import run_ranks
-from tests.lora.slots.helpers import build
+from tests.slots.helpers import build
 from veoptim.checkpoint import Publisher, resolve_agreed, step_name
 from veoptim.distributed import DistContext
 from veoptim.distributed.agreement import on_rank0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tasks.serve import main
 from veoptim.checkpoint.faults import PHASES
-from veoptim.lora.slots.store import SlotStore
+from veoptim.slots.store import SlotStore
 
 WAIT_S = 120.0
 

@@ -10,8 +10,8 @@ import torch
 from tinker import types
 
 from tests.service.helpers import BASE_MODEL, differences, examples, train_step
-from veoptim.lora.slots import SLOT_IDS
-from veoptim.lora.slots.tokens import forward_tokens
+from veoptim.slots import SLOT_IDS
+from veoptim.slots.tokens import forward_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 ADAM = {"learning_rate": 5e-3, "beta2": 0.99, "weight_decay": 0.01, "grad_clip_norm": 1.0}

@@ -17,15 +17,15 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed.spawn import run_ranks
-from tests.lora.slots.helpers import batch, build
 from tests.service.helpers import differences
+from tests.slots.helpers import batch, build
 from veoptim.distributed import DistContext
 from veoptim.errors import SlotError
-from veoptim.lora.slots import SLOT_IDS
-from veoptim.lora.slots.tokens import TARGET_TOKENS, SampleRow
 from veoptim.service import ranks
 from veoptim.service.errors import USER, ServiceError
 from veoptim.service.losses import get_loss
+from veoptim.slots import SLOT_IDS
+from veoptim.slots.tokens import TARGET_TOKENS, SampleRow
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 CROSS_ENTROPY = get_loss("cross_entropy", {})

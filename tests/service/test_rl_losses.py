@@ -16,9 +16,9 @@ from tinker import types
 
 from tests.service.helpers import BASE_MODEL, examples
 from tests.service.test_exact import direct_batch
-from veoptim.lora.slots.tokens import forward_tokens
 from veoptim.service.errors import ServiceError
 from veoptim.service.losses import get_loss
+from veoptim.slots.tokens import forward_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 RL = ("importance_sampling", "ppo", "cispo")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.service.helpers import BASE_MODEL, InProcessServer, examples
 from tests.service.test_exact import bits, direct_batch
-from veoptim.lora.slots.tokens import forward_tokens
+from veoptim.slots.tokens import forward_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

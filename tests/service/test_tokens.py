@@ -9,8 +9,8 @@ import torch
 
 from tests.service.helpers import BASE_MODEL
 from veoptim.data.fields import IGNORE_INDEX
-from veoptim.lora.slots import SLOT_IDS
-from veoptim.lora.slots.tokens import forward_tokens
+from veoptim.slots import SLOT_IDS
+from veoptim.slots.tokens import forward_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

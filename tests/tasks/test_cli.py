@@ -16,8 +16,8 @@ from tasks.cli import prog_name
 from tasks.usage import config_name_of, render_help, short_type
 from tests.conftest import REPO
 from veoptim.config.reference import ConfigKey, config_keys, sections
-from veoptim.lora.slots import MultiLoRAConfig
 from veoptim.objectives import DPOConfig, SFTConfig
+from veoptim.slots import MultiLoRAConfig
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 ``data.train_path`` may be a local ``.parquet``/``.arrow``/``.json``/``.jsonl``/``.csv``
 file, a directory written by ``save_to_disk`` (or holding data files), or the name of a
 dataset already in the local HF datasets cache. Rows become conversations by their layout
-(``veoptim/data/layouts.py``) and are tokenized by the same function as JSONL
+(``veoptim/data/conversation_shapes.py``) and are tokenized by the same function as JSONL
 (``encode_conversations``), inside ``Dataset.map`` with ``data.num_proc`` workers.
 
 The tokenized columns are written to ``$HF_DATASETS_CACHE/veoptim_sft/sft-<key>.arrow``
@@ -28,8 +28,8 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from veoptim.data.conversation_shapes import Layout, resolve_layout, row_messages
 from veoptim.data.fields import INPUT_IDS, LABELS
-from veoptim.data.layouts import Layout, resolve_layout, row_messages
 from veoptim.data.packing import Example
 from veoptim.data.records import jsonl_records
 from veoptim.data.sft import (

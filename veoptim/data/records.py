@@ -1,6 +1,6 @@
 """Read SFT JSONL into validated conversations, naming the file and line of any bad record.
 
-Each line is one record in any layout of the layout table (``veoptim/data/layouts.py``, the
+Each line is one record in any layout of the layout table (``veoptim/data/conversation_shapes.py``, the
 same table the ``datasets`` reader uses): ``messages``, ShareGPT ``conversations``, Alpaca
 ``instruction``/``input``/``output``, ``prompt``/``response`` or ``prompt``/``completion``.
 With ``data.layout=auto`` the layout is detected per line from its keys, so a file may mix
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from veoptim.data.layouts import LAYOUT_AUTO, Layout, resolve_layout, row_messages
+from veoptim.data.conversation_shapes import LAYOUT_AUTO, Layout, resolve_layout, row_messages
 from veoptim.data.messages import KEY_CONTENT, KEY_MESSAGES, KEY_ROLE, Message, validate_messages
 from veoptim.errors import DataError
 

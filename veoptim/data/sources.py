@@ -4,7 +4,7 @@ Two readers share one tokenization (``veoptim/data/sft.py``): veoptim's JSONL re
 whose errors name the file and line, and Hugging Face ``datasets`` (local parquet, arrow,
 JSON(L) and CSV files, ``save_to_disk`` directories, datasets in the local HF cache),
 which adds splits, ``num_proc`` workers and a tokenization cache. Both read records by
-the same layout table (``veoptim/data/layouts.py``). ``source="auto"`` keeps every existing
+the same layout table (``veoptim/data/conversation_shapes.py``). ``source="auto"`` keeps every existing
 config on the JSONL reader: a ``.jsonl`` file (or the bundled data) with ``layout="auto"``
 and no column renames goes there, everything else goes to ``datasets``.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from veoptim.data.layouts import LAYOUT_AUTO, LAYOUTS
+from veoptim.data.conversation_shapes import LAYOUT_AUTO, LAYOUTS
 from veoptim.errors import ConfigError
 
 SOURCE_AUTO, SOURCE_JSONL, SOURCE_DATASETS = "auto", "jsonl", "datasets"

@@ -1,9 +1,9 @@
 """LoRA: adapters on a frozen base (layer, injection, checkpoint state, PEFT format).
 
-The multi-LoRA runtime is ``veoptim.lora.slots`` (``SlotTrainer``, ``MultiLoRAConfig``):
-importing the adapters alone does not import it, nor the optimizers it brings. The names
-below are imported on first use (PEP 562), so the slots' config (``veoptim.lora.slots.config``)
-loads without torch.
+The multi-LoRA runtime is a package of its own, ``veoptim.slots`` (``SlotTrainer``,
+``MultiLoRAConfig``), built on these adapters: importing them does not import it, nor the
+optimizers it brings. The names below are imported on first use (PEP 562): importing the
+package loads no torch.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A self-hosted training service speaking the Tinker API (the ``tinker`` SDK's wire
-protocol) over the multi-LoRA :class:`~veoptim.lora.slots.SlotTrainer`: one training
+protocol) over the multi-LoRA :class:`~veoptim.slots.SlotTrainer`: one training
 client is one slot. See ``docs/service.md``.
 
 Layers, each calling only those below it (``docs/service.md``, "How it is built"): HTTP

@@ -19,8 +19,6 @@ import torch
 from tinker import types
 
 from veoptim.data.fields import ATTENTION_MASK, INPUT_IDS
-from veoptim.lora.slots import SLOT_IDS
-from veoptim.lora.slots.tokens import TARGET_TOKENS
 from veoptim.service import paths
 from veoptim.service.db import Database, ModelStatus
 from veoptim.service.engine import Engine, Model, Op
@@ -32,6 +30,7 @@ from veoptim.service.ranks import ServedTrainer
 from veoptim.service.served import ServedModel
 from veoptim.service.slots import Slots
 from veoptim.service.wire import Datum, ForwardBackwardRequest, encode_forward_backward_output
+from veoptim.slots import SLOT_IDS, TARGET_TOKENS
 
 log = logging.getLogger("veoptim.service")
 #: torch.Generator.manual_seed's range.

@@ -45,14 +45,14 @@ class Catalog:
     def _run_json(self, tenant_id: int, run: Run) -> dict[str, Any]:
         latest = {
             kind: self.db.latest_checkpoint(tenant_id, run.id, kind)
-            for kind in (CheckpointKind.TRAINING, CheckpointKind.SAMPLER)
+            for kind in (CheckpointKind.TRAINING, CheckpointKind.WEIGHTS_ONLY)
         }
         return {
             "training_run_id": run.id, "base_model": run.base_model, "model_owner": run.owner,
             "is_lora": True, "corrupted": False, "lora_rank": run.lora_rank,
             "last_request_time": iso(run.last_request),
             "last_checkpoint": _maybe(latest[CheckpointKind.TRAINING]),
-            "last_sampler_checkpoint": _maybe(latest[CheckpointKind.SAMPLER]),
+            "last_sampler_checkpoint": _maybe(latest[CheckpointKind.WEIGHTS_ONLY]),
             "user_metadata": run.user_metadata,
         }  # fmt: skip
 

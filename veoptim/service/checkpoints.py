@@ -1,5 +1,5 @@
 """A tenant's checkpoints: saved from a model's slot, loaded into one, deleted, and a
-sampler checkpoint's PEFT adapter handed out for download.
+weights-only checkpoint's PEFT adapter handed out for download.
 
 A checkpoint is published by the slot store (``save_slot``) under a server-made entry
 name, then recorded under the client's ``tinker://`` name (so after a crash a recorded
@@ -32,7 +32,7 @@ from veoptim.service.ranks import ServedTrainer
 from veoptim.service.slots import Slots
 
 log = logging.getLogger("veoptim.service")
-#: The files of a sampler checkpoint's PEFT export that a tenant downloads.
+#: The files of a weights-only checkpoint's PEFT export that a tenant downloads.
 DOWNLOADS = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -63,10 +63,10 @@ class Checkpoints:
     def prepare_save(self, model: Model, name: str | None, seq_id: int, kind: CheckpointKind,
                      overwrite: bool, sampling_seq: int | None = None) -> Op:  # fmt: skip
         """A save of the model's slot: ``training`` (adapter, optimizer state, schedule) or
-        ``sampler`` (weights only, plus its PEFT export). A sampler save without a name
+        weights-only (the wire's ``sampler``), with its PEFT export. One without a name
         (``save_weights_and_get_sampling_client``) is named ``ephemeral_<seq_id>`` and
         creates sampling session ``sampling_seq`` of it."""
-        if kind == CheckpointKind.SAMPLER and name is None:
+        if kind == CheckpointKind.WEIGHTS_ONLY and name is None:
             if sampling_seq is None:
                 raise ServiceError(
                     "path or sampling_session_seq_id is required: a sampler save without a name "
@@ -81,7 +81,7 @@ class Checkpoints:
 
     def _save(self, model: Model, ref: paths.CheckpointRef, overwrite: bool,
               sampling_seq: int | None) -> dict[str, Any]:  # fmt: skip
-        """Worker: publish, export (sampler), record, then drop what it replaced."""
+        """Worker: publish, export (weights-only), record, then drop what it replaced."""
         slot = self.backend.ready(model)
         old = self.db.checkpoint(model.tenant_id, ref.run_id, ref.kind, ref.name)
         if old is not None and not overwrite:
@@ -94,7 +94,7 @@ class Checkpoints:
             slot, store_ref, with_optimizer=ref.kind == CheckpointKind.TRAINING
         )
         try:
-            if ref.kind == CheckpointKind.SAMPLER:  # the adapter plain transformers + peft load
+            if ref.kind == CheckpointKind.WEIGHTS_ONLY:  # what plain transformers + peft load
                 self.trainer.export_slot(slot, store_ref)
             size = sum(p.stat().st_size for p in Path(version).rglob("*") if p.is_file())
             self.db.record_checkpoint(model.tenant_id, ref.run_id, ref.kind, ref.name, store_ref,
@@ -235,13 +235,13 @@ class Checkpoints:
 
     # ------------------------------------------------------------------ downloads
     def export_dir(self, store_ref: str) -> Path:
-        """Where the PEFT export of sampler checkpoint entry ``store_ref`` is."""
+        """Where the PEFT export of weights-only checkpoint entry ``store_ref`` is."""
         return self.trainer.export_dir(paths.check_name(store_ref))
 
     def downloadable(self, tenant_id: int, run_id: str, checkpoint_id: str) -> Path:
         """The PEFT adapter directory (its files are :data:`DOWNLOADS`) of the tenant's
-        external or sampler checkpoint; ``external_weights/<name>`` also names the export
-        of sampler checkpoint ``<name>``. A training checkpoint has none."""
+        external or weights-only checkpoint; ``external_weights/<name>`` also names the
+        export of weights-only checkpoint ``<name>``. A training checkpoint has none."""
         ref = paths.parse_checkpoint_id(run_id, checkpoint_id)
         if ref.kind == CheckpointKind.TRAINING:
             raise ServiceError(
@@ -250,7 +250,9 @@ class Checkpoints:
             )
         record = self.db.checkpoint(tenant_id, ref.run_id, ref.kind, ref.name)
         if record is None and ref.kind == CheckpointKind.EXTERNAL:
-            record = self.db.checkpoint(tenant_id, ref.run_id, CheckpointKind.SAMPLER, ref.name)
+            record = self.db.checkpoint(
+                tenant_id, ref.run_id, CheckpointKind.WEIGHTS_ONLY, ref.name
+            )
         if record is None:
             raise NotFound(f"checkpoint_id: checkpoint {ref.path} was not found.")
         directory = self.export_dir(record.store_ref)

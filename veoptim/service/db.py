@@ -93,7 +93,7 @@ class FutureStatus(StrEnum):
 
 class CheckpointKind(StrEnum):
     TRAINING = "training"  # adapter, optimizer state and schedule
-    SAMPLER = "sampler"  # adapter weights only, with a PEFT export
+    WEIGHTS_ONLY = "sampler"  # adapter weights only, with a PEFT export (save_weights_for_sampler)
     EXTERNAL = "external"  # a PEFT export alone (save_weights_external): downloaded, never loaded
 
 

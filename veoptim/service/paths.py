@@ -19,10 +19,10 @@ from veoptim.service.errors import NotFound, ServiceError
 
 SCHEME = "tinker://"
 #: path segment <-> checkpoint kind (the SDK's ParsedCheckpointTinkerPath).
-SEGMENTS = {"weights": CheckpointKind.TRAINING, "sampler_weights": CheckpointKind.SAMPLER,
+SEGMENTS = {"weights": CheckpointKind.TRAINING, "sampler_weights": CheckpointKind.WEIGHTS_ONLY,
             "external_weights": CheckpointKind.EXTERNAL}  # fmt: skip
 #: The kinds a slot loads (an external checkpoint is a PEFT export, for download only).
-LOADABLE = (CheckpointKind.TRAINING, CheckpointKind.SAMPLER)
+LOADABLE = (CheckpointKind.TRAINING, CheckpointKind.WEIGHTS_ONLY)
 KIND_SEGMENT = {kind: segment for segment, kind in SEGMENTS.items()}
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")

@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from veoptim.data.fields import INPUT_IDS
 from veoptim.distributed.sizes import rank_slice
-from veoptim.lora.slots import SlotTrainer
-from veoptim.lora.slots.tokens import (
+from veoptim.service.errors import SERVER, ServiceError, describe
+from veoptim.slots import SlotTrainer
+from veoptim.slots.tokens import (
     Generation,
     SampledRow,
     SampleRow,
@@ -39,7 +40,6 @@ from veoptim.lora.slots.tokens import (
     forward_tokens,
     optim_step_clipped,
 )
-from veoptim.service.errors import SERVER, ServiceError, describe
 
 log = logging.getLogger("veoptim.service")
 #: The followers wait for rank 0's next call as long as the job runs.
@@ -48,9 +48,9 @@ STOP = "stop"
 
 
 class ServedTrainer:
-    """The calls the service makes on its :class:`SlotTrainer`; reads (``slots``,
-    ``tokenizer``, ``num_slots``, ...) go to rank 0's trainer directly. Build it on every
-    rank (it creates the job's call groups: collective)."""
+    """The calls the service makes on its :class:`SlotTrainer`; the few reads it makes
+    (``num_slots``, which slots hold an adapter, where exports go) go to rank 0's trainer
+    directly. Build it on every rank (it creates the job's call groups: collective)."""
 
     def __init__(self, trainer: SlotTrainer, timeout_s: float) -> None:
         self.trainer = trainer
@@ -63,8 +63,22 @@ class ServedTrainer:
             self._announce = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
             self._agree = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.trainer, name)
+    # ------------------------------------------------------------------ reads (rank 0's trainer)
+    @property
+    def num_slots(self) -> int:
+        return self.trainer.num_slots
+
+    def holds(self, slot: int) -> bool:
+        """Whether ``slot`` holds an adapter (maybe one a failed load left partly written)."""
+        return self.trainer.holds(slot)
+
+    def partly_written(self, slot: int) -> bool:
+        """Whether a failed load left ``slot`` partly written."""
+        return self.trainer.partly_written(slot)
+
+    def export_dir(self, name: str) -> Path:
+        """Where ``export_slot`` publishes the PEFT adapter directory ``name``."""
+        return self.trainer.export_dir(name)
 
     # ------------------------------------------------------------------ calls
     def create_slot(self, slot: int, **hyper: Any) -> None:

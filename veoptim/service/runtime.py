@@ -3,7 +3,7 @@ ranks follow its trainer calls, ``veoptim/service/ranks.py``).
 
 The layers, each calling only the ones below it: the HTTP routes (``routes/``) → the
 engine (the worker and each model's ``seq_id`` order, ``engine.py``) → what a request
-does (``backend.py`` training, ``checkpoints.py``, ``sampler.py``, ``sessions.py``,
+does (``backend.py`` training, ``checkpoints.py``, ``sampling.py``, ``sessions.py``,
 ``catalog.py``) → the slots (``slots.py``, the one owner of slot occupancy, over the
 trainer of ``ranks.py``). All of them keep their records through the tenant-scoped data
 layer (``db.py``). Start-up recovers: pending futures fail, no model holds a slot, and
@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from veoptim.lora.slots import SlotTrainer
 from veoptim.service.auth import KeyTable, read_keys_file
 from veoptim.service.backend import Backend
 from veoptim.service.catalog import Catalog
@@ -33,10 +32,11 @@ from veoptim.service.hub_cache import install_tokenizer
 from veoptim.service.links import Links
 from veoptim.service.metrics import MetricsLog
 from veoptim.service.ranks import ServedTrainer
-from veoptim.service.sampler import SampleBatch, Samplers
+from veoptim.service.sampling import SampleBatch, Samplers
 from veoptim.service.served import ServedModel
 from veoptim.service.sessions import Sessions
 from veoptim.service.slots import Slots
+from veoptim.slots import SlotTrainer
 
 log = logging.getLogger("veoptim.service")
 RESTARTED = "the server restarted before this request finished; submit it again."

@@ -21,7 +21,7 @@ from veoptim.service.db import Database, ModelStatus
 from veoptim.service.engine import Engine, Op
 from veoptim.service.errors import Gone, NotFound
 from veoptim.service.futures import Future
-from veoptim.service.sampler import Samplers
+from veoptim.service.sampling import Samplers
 
 log = logging.getLogger("veoptim.service")
 

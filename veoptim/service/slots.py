@@ -53,8 +53,9 @@ class Slots:
         slot = self.of_model(model_id)
         if slot is None:
             raise ServiceError(f"model_id {model_id} holds no slot (it was unloaded).")
-        state = self.trainer.slots.get(slot)
-        if state is None or (state.invalid and not partly_written):
+        if not self.trainer.holds(slot) or (
+            self.trainer.partly_written(slot) and not partly_written
+        ):
             raise ServiceError(
                 f"model_id {model_id}: its slot was left partly written by a failed load; load "
                 "a checkpoint into it again before training it."
@@ -77,7 +78,7 @@ class Slots:
         try:
             self.trainer.load_slot(slot, store_ref, load_optimizer=optimizer)
         except Exception:
-            if slot in self.trainer.slots:
+            if self.trainer.holds(slot):
                 self.trainer.release_slot(slot)
             raise
         with self._lock:
@@ -88,7 +89,7 @@ class Slots:
         """Free the model's slot; the slot it held (None: none)."""
         with self._lock:
             slot = self._models.pop(model_id, None)
-        if slot is not None and slot in self.trainer.slots:
+        if slot is not None and self.trainer.holds(slot):
             self.trainer.release_slot(slot)
         return slot
 
@@ -103,7 +104,7 @@ class Slots:
             try:
                 self.trainer.load_slot(slot, store_ref, load_optimizer=False)
             except Exception:
-                if slot in self.trainer.slots:
+                if self.trainer.holds(slot):
                     self.trainer.release_slot(slot)
                 raise
             with self._lock:
@@ -120,7 +121,7 @@ class Slots:
             if slot is not None:
                 self._last_use.pop(slot, None)
         if slot is not None:
-            if slot in self.trainer.slots:
+            if self.trainer.holds(slot):
                 self.trainer.release_slot(slot)
             log.info("sampler snapshot %s left slot %d", store_ref, slot)
 

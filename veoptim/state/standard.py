@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from veoptim.checkpoint.component import StateComponent
-from veoptim.lora.state import LoRAModelState
 from veoptim.state import (
     CONFIG,
     LOSS_SCALE,
@@ -49,22 +48,16 @@ def standard_components(
     layout: Any,
     config: dict[str, Any],
     defaults: dict[str, Any],
-    lora_base: dict[str, Any] | None = None,
-    allow_other_base: bool = False,
+    weights: StateComponent | None = None,
     loss_scaler: Any = None,
 ) -> dict[str, StateComponent]:
-    """Model (the adapters alone, with ``lora_base`` their base's fingerprint, for a LoRA
-    run; ``allow_other_base``: a resume may load them on another base), optimizer (with the
-    parallel ``layout`` its shards follow), LR scheduler, sampler,
-    progress, RNG, the run ``config`` (keys a checkpoint predates compared with
+    """Model (``weights``; by default all of ``model``'s weights, and for a LoRA run the
+    adapters' own component, ``veoptim.lora.state.LoRAModelState``, which records their
+    base), optimizer (with the parallel ``layout`` its shards follow), LR scheduler,
+    sampler, progress, RNG, the run ``config`` (keys a checkpoint predates compared with
     ``defaults``), the run ids, and an fp16 run's ``loss_scaler``."""
-    weights = (
-        ModelState(model)
-        if lora_base is None
-        else LoRAModelState(model, lora_base, allow_other_base)
-    )
     components: dict[str, StateComponent] = {
-        MODEL: weights,
+        MODEL: ModelState(model) if weights is None else weights,
         OPTIMIZER: OptimizerState(model, optimizer, layout),
         # An LR scheduler holds its optimizer: checked by structure, not by a trial load.
         LR_SCHEDULER: JSONState(scheduler, check=same_structure),

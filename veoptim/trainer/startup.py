@@ -39,7 +39,7 @@ def check_single_adapter(cfg: TrainerConfig, world_size: int) -> None:
         raise ConfigError(
             f"lora.num_slots={cfg.lora.num_slots} asks for multi-LoRA slots, which the "
             "multi-LoRA trainer runs (python -m tasks.multi_lora, "
-            "veoptim.lora.slots.SlotTrainer); this task trains one adapter with "
+            "veoptim.slots.SlotTrainer); this task trains one adapter with "
             "lora.enabled=true and lora.num_slots=0."
         )
 

@@ -37,7 +37,7 @@ from veoptim.errors import (
     LiveStateInvalidError,
     PreemptedError,
 )
-from veoptim.lora.state import base_fingerprint
+from veoptim.lora.state import LoRAModelState, base_fingerprint
 from veoptim.optim import build_optimizer, build_scheduler
 from veoptim.optim.loss_scale import DynamicLossScaler
 from veoptim.rundir import RunIdentity, locked_run_dir, read_identity, write_identity
@@ -175,7 +175,7 @@ class Trainer:
             eval_set=inputs.eval_set,
             loss_scaler=build_loss_scaler(cfg),
         )
-        lora_base = None
+        weights = None
         if cfg.lora.enabled:  # the adapters are saved with what base they belong to
             lora_base = on_rank0(
                 lambda: base_fingerprint(
@@ -183,6 +183,7 @@ class Trainer:
                 ),
                 "fingerprinting the base model",
             )  # rank 0 hashes the base's files once
+            weights = LoRAModelState(model, lora_base, cfg.lora.allow_other_base)
         standard = standard_components(
             model=model,
             optimizer=optimizer,
@@ -195,8 +196,7 @@ class Trainer:
             layout=plan.layout_metadata(),
             config=trainer.recorded_config(),
             defaults=asdict(type(cfg)()),
-            lora_base=lora_base,
-            allow_other_base=cfg.lora.allow_other_base,
+            weights=weights,
             loss_scaler=trainer.loss_scaler,
         )
         for name, component in standard.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.lora.slots.helpers import build, train
+from tests.slots.helpers import build, train
 
 
 def main(run_dir: Path, phase: str) -> None:

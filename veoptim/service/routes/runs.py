@@ -1,5 +1,5 @@
-"""Training runs and checkpoints of the tenant: listed, deleted, and a sampler
-checkpoint's PEFT adapter downloaded through signed links (``get_external_weights_urls``;
+"""Training runs and checkpoints of the tenant: listed, deleted, and a
+weights-only checkpoint's PEFT adapter downloaded through signed links (``get_external_weights_urls``;
 the link route is the one that takes no key: the link's signature names the tenant)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ async def checkpoints(run_id: str, tenant: TenantDep, service: ServiceDep) -> di
 @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
 async def download_urls(request: Request, run_id: str, checkpoint_id: str, tenant: TenantDep,
                         service: ServiceDep) -> dict[str, Any]:  # fmt: skip
-    """Signed URLs of a sampler checkpoint's PEFT adapter files (``RestClient.
+    """Signed URLs of a weights-only checkpoint's PEFT adapter files (``RestClient.
     get_external_weights_urls``): plain ``peft`` loads the directory they fill."""
     await blocking(service, service.checkpoints.downloadable, tenant.id, run_id, checkpoint_id)
     ref = paths.parse_checkpoint_id(run_id, checkpoint_id)

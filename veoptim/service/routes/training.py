@@ -104,7 +104,7 @@ async def save_weights_for_sampler(
     model = await live_model(http, service, tenant, request.model_id)
     seq_id = seq_of(http, request.seq_id)
     return await blocking(service, service.checkpoints.submit_save, model, seq_id,
-                          CheckpointKind.SAMPLER, request.path, False,
+                          CheckpointKind.WEIGHTS_ONLY, request.path, False,
                           request.sampling_session_seq_id, idempotency_key(http))  # fmt: skip
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import veoptim.checkpoint.versions as versions
 from veoptim.errors import CheckpointError
-from veoptim.lora.slots.store import SlotStore
+from veoptim.slots.store import SlotStore
 from veoptim.state import JSONState
 
 

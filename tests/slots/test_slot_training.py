@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lora.slots.helpers import (
+from tests.slots.helpers import (
     all_states,
     assert_unchanged,
     batch,

@@ -22,9 +22,9 @@ from veoptim.config.schema import OptimConfig, SchedulerConfig
 from veoptim.distributed.grad_norm import clip_grad_norm_
 from veoptim.errors import ConfigError
 from veoptim.lora.peft_format import full_cpu
-from veoptim.lora.slots.routing import SlotParams
 from veoptim.optim import build_optimizer, build_scheduler
 from veoptim.optim.state_keys import EXP_AVG, EXP_AVG_SQ, MASTER_WEIGHT, STEP
+from veoptim.slots.routing import SlotParams
 from veoptim.state.optimizer import to_json_param_groups
 
 WEIGHTS = "weights"

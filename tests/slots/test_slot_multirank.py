@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.distributed.spawn import run_ranks
-from tests.lora.slots.helpers import batch, build, differences
+from tests.slots.helpers import batch, build, differences
 from veoptim.distributed import DistContext
 from veoptim.errors import SlotError
 

@@ -2,8 +2,8 @@
 
 The API has the shape of hosted LoRA training services: ``forward_backward`` over a
 batch whose rows name their slots, ``optim_step`` per slot, ``save_slot`` /
-``load_slot`` (training state) and ``export_slot`` (a PEFT adapter: the weights for a
-sampler). Every slot has its own parameters, optimizer (FP32 masters for BF16 adapters
+``load_slot`` (training state) and ``export_slot`` (a PEFT adapter: the weights to
+sample from). Every slot has its own parameters, optimizer (FP32 masters for BF16 adapters
 with the exact optimizers), scheduler and checkpoints. A call names one slot and
 changes nothing of any other; a failing save or load raises :class:`SlotError` for that
 slot only. Under ``torchrun`` every rank makes the same calls in the same order (each
@@ -40,22 +40,22 @@ from veoptim.errors import (
     VeoptimError,
 )
 from veoptim.lora.layer import AdapterSpec
-from veoptim.lora.slots.config import MultiLoRAConfig
-from veoptim.lora.slots.export import SLOT_EXPORTS, publish_slot_adapter
-from veoptim.lora.slots.optim import OPTIM_KEYS, SlotHyper, SlotOptimizer
-from veoptim.lora.slots.routing import SlotParams, SlotRouter, apply_slot_lora
-from veoptim.lora.slots.state import (
+from veoptim.lora.state import base_fingerprint
+from veoptim.losses import sequence_logps
+from veoptim.models import build_model
+from veoptim.models.build import check_model_fits
+from veoptim.slots.config import MultiLoRAConfig
+from veoptim.slots.export import SLOT_EXPORTS, publish_slot_adapter
+from veoptim.slots.optim import OPTIM_KEYS, SlotHyper, SlotOptimizer
+from veoptim.slots.routing import SlotParams, SlotRouter, apply_slot_lora
+from veoptim.slots.state import (
     ADAPTER,
     LR_SCHEDULER,
     OPTIMIZER,
     SlotAdapterState,
     SlotOptimizerState,
 )
-from veoptim.lora.slots.store import SlotStore
-from veoptim.lora.state import base_fingerprint
-from veoptim.losses import sequence_logps
-from veoptim.models import build_model
-from veoptim.models.build import check_model_fits
+from veoptim.slots.store import SlotStore
 from veoptim.state.stateful import JSONState, same_structure
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,16 @@ class SlotTrainer:
     def num_slots(self) -> int:
         return len(self._params)
 
+    def holds(self, slot: int) -> bool:
+        """Whether ``slot`` holds an adapter (created or loaded; maybe partly written)."""
+        return slot in self.slots
+
+    def partly_written(self, slot: int) -> bool:
+        """Whether a failed load left ``slot`` partly written (it trains no more until it is
+        reset, released or loaded again)."""
+        state = self.slots.get(slot)
+        return state is not None and state.invalid
+
     # ------------------------------------------------------------------ slot lifecycle
     def create_slot(self, slot: int, **hyperparameters: Any) -> None:
         """Initialise a free slot: ``r`` (<= lora.r), ``alpha``, ``use_rslora``, ``seed``
@@ -232,7 +242,7 @@ class SlotTrainer:
         gradients (token-loss sums) accumulate into each slot present. Returns each present
         slot's loss sum, tokens and rows over all ranks."""
         with self._lock:
-            slot_ids = self._slot_ids(batch)
+            slot_ids = self.batch_slot_ids(batch)
             labels = batch[LABELS]
             tokens = (labels[:, 1:] != IGNORE_INDEX).sum(dim=1).double()
             n = self.num_slots
@@ -299,8 +309,8 @@ class SlotTrainer:
     # ------------------------------------------------------------------ checkpoints, exports
     def save_slot(self, slot: int, name: str, with_optimizer: bool = True) -> Path:
         """Publish the next save of checkpoint ``name`` from ``slot``: its adapter and (with
-        ``with_optimizer``) its optimizer state and schedule; without, a sampler (weights
-        only) checkpoint. Returns the immutable version directory (loadable as a path)."""
+        ``with_optimizer``) its optimizer state and schedule; without, a weights-only
+        checkpoint. Returns the immutable version directory (loadable as a path)."""
         with self._lock:
             state = self._slot(slot)
             components: dict[str, Any] = {ADAPTER: SlotAdapterState(state.params, self.fingerprint)}
@@ -419,6 +429,43 @@ class SlotTrainer:
         return self.exports_root / SLOT_EXPORTS / name
 
     # ------------------------------------------------------------------ inspection
+    def check_slot(self, slot: int) -> None:
+        """Refuse ``slot`` unless it exists and is not partly written (``SlotError``)."""
+        self._slot(slot)
+
+    def slot_parameters(self, slot: int) -> list[torch.nn.Parameter]:
+        """The trainable parameters of ``slot``'s adapter (its share on this rank)."""
+        return list(self._slot(slot, allow_invalid=True).params.parameters())
+
+    def batch_slot_ids(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's ``slot_ids`` (one slot index per row, on the CPU), refused with a
+        ``DataError`` unless it has ``input_ids``, ``labels`` and a slot index per row."""
+        if SLOT_IDS not in batch or LABELS not in batch or INPUT_IDS not in batch:
+            raise DataError(
+                f"a slot batch needs {INPUT_IDS!r}, {LABELS!r} and {SLOT_IDS!r}; got {sorted(batch)}."
+            )
+        ids = torch.as_tensor(batch[SLOT_IDS]).long().cpu()
+        rows = batch[INPUT_IDS].shape[0]
+        if ids.shape != (rows,) or bool(((ids < 0) | (ids >= self.num_slots)).any()):
+            raise DataError(
+                f"batch {SLOT_IDS!r} must hold one slot index in [0, {self.num_slots}) per row "
+                f"({rows} rows); got {ids.tolist()}."
+            )
+        return ids
+
+    def _present(self, slot_ids: torch.Tensor) -> list[int]:
+        """The slots with rows on any rank (sorted; collective)."""
+        rows = torch.zeros(self.num_slots, dtype=torch.float64)
+        rows.index_add_(0, slot_ids, torch.ones(len(slot_ids), dtype=torch.float64))
+        rows = self.plan.all_reduce_sum(rows.to(self.ctx.device)).cpu()
+        return [s for s in range(self.num_slots) if rows[s] > 0]
+
+    def apply_unscaled(self, slot: int) -> None:
+        """The gradients ``slot`` accumulated are a loss *sum* (a caller's loss, not
+        :meth:`forward_backward`'s token mean): its next :meth:`optim_step` applies them
+        unscaled."""
+        self._slot(slot).optimizer.pending_tokens = 1.0
+
     def slot_state(self, slot: int) -> dict[str, Any]:
         """The slot's adapter weights, FP32 masters, moments and step counters (whole
         tensors on the CPU, by slot-independent name), param groups, schedule and spec.
@@ -447,27 +494,6 @@ class SlotTrainer:
                 slot, "a failed load left it partly written; reset, release or load it again."
             )
         return state
-
-    def _slot_ids(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if SLOT_IDS not in batch or LABELS not in batch or INPUT_IDS not in batch:
-            raise DataError(
-                f"a slot batch needs {INPUT_IDS!r}, {LABELS!r} and {SLOT_IDS!r}; got {sorted(batch)}."
-            )
-        ids = torch.as_tensor(batch[SLOT_IDS]).long().cpu()
-        rows = batch[INPUT_IDS].shape[0]
-        if ids.shape != (rows,) or bool(((ids < 0) | (ids >= self.num_slots)).any()):
-            raise DataError(
-                f"batch {SLOT_IDS!r} must hold one slot index in [0, {self.num_slots}) per row "
-                f"({rows} rows); got {ids.tolist()}."
-            )
-        return ids
-
-    def _present(self, slot_ids: torch.Tensor) -> list[int]:
-        """The slots with rows on any rank (sorted; collective)."""
-        rows = torch.zeros(self.num_slots, dtype=torch.float64)
-        rows.index_add_(0, slot_ids, torch.ones(len(slot_ids), dtype=torch.float64))
-        rows = self.plan.all_reduce_sum(rows.to(self.ctx.device)).cpu()
-        return [s for s in range(self.num_slots) if rows[s] > 0]
 
     def _as_slot_error(self, slot: int, what: str, action: Callable[[], T]) -> T:
         try:

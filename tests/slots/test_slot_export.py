@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.lora.helpers import INPUT_IDS, load_peft_strictly
 from tests.lora.helpers import logits as peft_logits
-from tests.lora.slots.helpers import build, train
+from tests.slots.helpers import build, train
 
 
 def slot_logits(trainer, slot: int) -> torch.Tensor:

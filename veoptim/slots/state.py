@@ -18,10 +18,10 @@ import torch
 from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
 from veoptim.errors import CheckpointError
 from veoptim.lora.layer import AdapterSpec
-from veoptim.lora.slots.optim import SlotOptimizer
-from veoptim.lora.slots.routing import SlotParams
 from veoptim.lora.state import BASE, check_base
 from veoptim.optim.dtensor_util import local
+from veoptim.slots.optim import SlotOptimizer
+from veoptim.slots.routing import SlotParams
 from veoptim.state.model import module_inventory
 from veoptim.state.optimizer import (
     PARAM_GROUPS,

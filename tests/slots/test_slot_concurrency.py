@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from tests.conftest import REPO
-from tests.lora.slots.helpers import build, differences, train
+from tests.slots.helpers import build, differences, train
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +47,10 @@ def test_saves_and_loads_in_another_thread_do_not_disturb_training(tmp_path):
 def test_importing_the_adapters_does_not_import_the_slot_runtime():
     code = (
         "import sys, veoptim.lora\n"
-        "assert 'veoptim.optim' not in sys.modules and 'veoptim.lora.slots' not in sys.modules\n"
-        "from veoptim.lora.slots import SlotTrainer, MultiLoRAConfig\n"
+        "assert 'veoptim.optim' not in sys.modules and 'veoptim.slots' not in sys.modules\n"
+        "from veoptim.slots import SlotTrainer, MultiLoRAConfig\n"
         "print(SlotTrainer.__module__)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "veoptim.lora.slots.trainer"
+    assert done.stdout.strip() == "veoptim.slots.trainer"

@@ -11,7 +11,7 @@ earlier snapshot samples. Cached snapshot slots give way (least recently used fi
 when a training model or another snapshot needs a slot, and are freed when no live
 session samples them. The heads of the queue that sample (several requests, tenants
 and snapshots) run as one batch of rows, a
-:class:`~veoptim.lora.slots.tokens.Generation` (a KV cache, each row through its own
+:class:`~veoptim.slots.tokens.Generation` (a KV cache, each row through its own
 slot's adapter; base-model requests batch among themselves), decoded
 ``serve.slice_tokens`` steps at a time so that the worker can run other tenants'
 training requests between the slices.
@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from tinker import types
 
-from veoptim.lora.slots.tokens import SampleRow
 from veoptim.service import paths
 from veoptim.service.db import Database
 from veoptim.service.engine import Engine, Op
@@ -41,6 +40,7 @@ from veoptim.service.ranks import ServedTrainer
 from veoptim.service.served import ServedModel
 from veoptim.service.slots import Slots
 from veoptim.service.wire import encode_sample_response
+from veoptim.slots.tokens import SampleRow
 
 log = logging.getLogger("veoptim.service")
 MAX_SAMPLES = 64

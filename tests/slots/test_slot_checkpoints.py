@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.lora.slots.helpers import all_states, assert_unchanged, build, differences, train
+from tests.slots.helpers import all_states, assert_unchanged, build, differences, train
 from veoptim.checkpoint.layout import published_names
 from veoptim.errors import CheckpointError, SlotError, SlotStateInvalidError
 

@@ -1,4 +1,4 @@
-"""A slot's adapter as a PEFT adapter directory: the weights a sampler loads."""
+"""A slot's adapter as a PEFT adapter directory: the weights sampling loads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from veoptim.config.schema import TrainerConfig
 from veoptim.export.adapters import publish_adapter
 from veoptim.lora.peft_format import peft_adapter_state
-from veoptim.lora.slots.routing import SlotParams
+from veoptim.slots.routing import SlotParams
 
 SLOT_EXPORTS = "slots"
 

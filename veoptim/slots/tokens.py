@@ -28,8 +28,8 @@ import torch
 
 from veoptim.data.fields import ATTENTION_MASK, INPUT_IDS
 from veoptim.errors import DataError, SlotError
-from veoptim.lora.slots.routing import slot_layers
-from veoptim.lora.slots.trainer import SLOT_IDS, SlotTrainer
+from veoptim.slots.routing import slot_layers
+from veoptim.slots.trainer import SLOT_IDS, SlotTrainer
 
 TARGET_TOKENS = "target_tokens"
 #: loss(logprobs [rows, T] FP32, batch) -> per-row loss [rows] (differentiable).
@@ -61,7 +61,7 @@ def forward_tokens(
     back-propagated, their slots' gradients stay exactly as they were)."""
     if backward and loss_fn is None:
         raise ValueError("a backward pass needs a loss_fn")
-    with trainer._lock:
+    with trainer.lock:
         if INPUT_IDS not in batch or TARGET_TOKENS not in batch or SLOT_IDS not in batch:
             raise DataError(
                 f"a token batch needs {INPUT_IDS!r}, {TARGET_TOKENS!r} and {SLOT_IDS!r}; "
@@ -73,10 +73,8 @@ def forward_tokens(
                 f"{TARGET_TOKENS!r} must have the shape of {INPUT_IDS!r} "
                 f"{tuple(inputs.shape)}; got {tuple(targets.shape)}."
             )
-        slot_ids = trainer._slot_ids({**batch, "labels": targets})
-        present = trainer._present(slot_ids)
-        for s in present:
-            trainer._slot(s)
+        slot_ids = trainer.batch_slot_ids({**batch, "labels": targets})
+        present = trainer.present_slots(slot_ids)
         device = trainer.ctx.device
         model_inputs = {INPUT_IDS: inputs.to(device)}
         if ATTENTION_MASK in batch:
@@ -102,7 +100,7 @@ def forward_tokens(
         if backward:
             for s in present:
                 if train_slots is None or s in train_slots:
-                    trainer.slots[s].optimizer.pending_tokens = 1.0
+                    trainer.apply_unscaled(s)
         return TokenPass(logprobs.detach().cpu(), row_losses.detach().cpu())
 
 
@@ -117,10 +115,7 @@ def _backward(trainer: SlotTrainer, row_losses: torch.Tensor, slot_ids: torch.Te
         [int(s) in train_slots for s in slot_ids.tolist()], device=row_losses.device
     )
     kept = [
-        (p, p.grad)
-        for s in present
-        if s not in train_slots
-        for p in trainer.slots[s].params.parameters()
+        (p, p.grad) for s in present if s not in train_slots for p in trainer.slot_parameters(s)
     ]
     for p, _ in kept:
         p.grad = None
@@ -138,7 +133,7 @@ def optim_step_clipped(
     ``train.grad_clip``."""
     if grad_clip < 0:
         raise SlotError(slot, f"grad_clip must be >= 0 (0 = no clipping), got {grad_clip}.")
-    with trainer._lock:
+    with trainer.lock:
         train = trainer.cfg.train
         configured = train.grad_clip
         train.grad_clip = grad_clip

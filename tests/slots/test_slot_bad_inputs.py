@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.lora.slots.helpers import all_states, assert_unchanged, build, train
+from tests.slots.helpers import all_states, assert_unchanged, build, train
 from veoptim.checkpoint import component as C
 from veoptim.checkpoint.layout import MANIFEST_FILE
 from veoptim.checkpoint.publish import Publisher

@@ -26,10 +26,10 @@ import math
 import pytest
 import torch
 
-from tests.lora.slots.helpers import batch, build, train
+from tests.slots.helpers import batch, build, train
 from veoptim.errors import SlotError
-from veoptim.lora.slots.routing import SlotRouter
-from veoptim.lora.slots.tokens import Generation, SampleRow, sample_tokens
+from veoptim.slots.routing import SlotRouter
+from veoptim.slots.tokens import Generation, SampleRow, sample_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

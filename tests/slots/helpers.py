@@ -11,7 +11,7 @@ import torch
 
 from veoptim.data import collate, load_sft_dataset, load_tokenizer
 from veoptim.distributed import DistContext
-from veoptim.lora.slots import SLOT_IDS, MultiLoRAConfig, SlotTrainer
+from veoptim.slots import SLOT_IDS, MultiLoRAConfig, SlotTrainer
 
 #: Per-parameter tensors a slot state holds (``SlotTrainer.slot_state``).
 TENSOR_KEYS = ("weights", "master_weight", "exp_avg", "exp_avg_sq", "step")
