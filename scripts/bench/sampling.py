@@ -10,7 +10,7 @@ one long-prompt decode against ``transformers`` ``generate``.
   requests in flight beyond the one it waits for. Sampled tokens/s from a common start to
   the last client's end. Against it, in this process: the function the server's worker
   calls, ``sample_tokens`` (the generation the server's worker runs on one process, there
-  in slices of ``serve.slice_tokens`` decode steps, here whole), of the
+  in slices of about ``serve.slice_s`` seconds, here whole), of the
   same N clients' rows as one batch (each row its own slot, its client's prompt and
   parameters), measured just before and just after the SDK run (the ratio uses their
   mean: this VM's speed drifts within minutes).

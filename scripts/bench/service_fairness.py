@@ -1,7 +1,7 @@
 """Fairness across tenants: one tenant's backlog against another tenant's small requests,
 through the SDK, on a server of each setup in one run: ``fair`` (the defaults: fair
-schedule, sampling batches in slices of ``serve.slice_tokens`` decode steps),
-``fair_whole`` (fair, each sampling batch whole: ``serve.slice_tokens=0``) and ``fifo``
+schedule, sampling batches in slices of about ``serve.slice_s`` seconds),
+``fair_whole`` (fair, each sampling batch whole: ``serve.slice_s=0``) and ``fifo``
 (arrival order, whole batches: the order before fairness).
 
 - Tenant B keeps ``--backlog`` sampling requests queued (``--samples`` samples of
@@ -150,13 +150,15 @@ def batch_seconds(metrics: Path, since: float) -> float:
 #: The server overrides of each setup.
 SETUPS = {
     "fair": [],
-    "fair_whole": ["serve.slice_tokens=0"],
-    "fifo": ["serve.schedule=fifo", "serve.slice_tokens=0"],
+    "fair_whole": ["serve.slice_s=0"],
+    "fifo": ["serve.schedule=fifo", "serve.slice_s=0"],
 }
 
 
 def measure(args: argparse.Namespace, schedule: str, keys: dict[str, str], work: Path) -> dict:
     extra = [*SETUPS[schedule], "serve.max_futures_per_tenant=4096"]
+    if args.slice_s and schedule == "fair":
+        extra.append(f"serve.slice_s={args.slice_s}")
     if args.max_batch_rows:
         extra.append(f"serve.max_batch_rows={args.max_batch_rows}")
     server, url = bench.start_server(args, work, f"serve_{schedule}", extra, {})
@@ -222,6 +224,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40, help="A's requests when alone")
     parser.add_argument("--seconds", type=float, default=20.0, help="B's run in each phase")
     parser.add_argument("--max-batch-rows", type=int, default=0, help="0: the server default")
+    parser.add_argument("--slice-s", type=float, default=0.0,
+                        help="fair setup's serve.slice_s (0: the server default)")  # fmt: skip
     parser.add_argument("--setups", default=",".join(SETUPS), help="of " + ", ".join(SETUPS))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

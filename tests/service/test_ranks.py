@@ -54,10 +54,11 @@ def prompts() -> list[SampleRow]:
             SampleRow([9, 8], 0, 3, temperature=0.0, prompt_logprobs=True)]  # fmt: skip
 
 
-def sample(served, rows, between=lambda: None) -> list:
-    """A generation of ``rows`` two decode steps at a time, ``between()`` after each."""
+def sample(served, rows, between=lambda: None, seconds: float | None = None) -> list:
+    """A generation of ``rows`` two decode steps at a time (or one step, the time being
+    up at once on rank 0's clock: ``seconds=0``), ``between()`` after each."""
     served.start_sampling(rows)
-    while not served.advance_sampling(2):
+    while not served.advance_sampling(None if seconds is not None else 2, seconds):
         between()
     return served.sampled()
 
@@ -73,7 +74,7 @@ def calls(served, out: Path) -> dict:
     mixed = served.forward_tokens(token_batch([1, 2, 3], [0, 0, 0]), CROSS_ENTROPY, False)
     sampled = sample(served, prompts(), between=lambda: served.forward_tokens(
         one_row, CROSS_ENTROPY, backward=False))  # fmt: skip
-    alone = sample(served, prompts()[:1])  # one row: rank 1 pads
+    alone = sample(served, prompts()[:1], seconds=0.0)  # one row: rank 1 pads
     torch.save({"forward": forward.logprobs, "step": step.row_losses, "mixed": mixed.logprobs,
                 "state": served.slot_state(0),
                 "sampled": [(s.tokens, s.logprobs, s.prompt_logprobs) for s in sampled],

@@ -57,6 +57,8 @@ def test_the_server_process_runs_on_the_threads_it_chose(tmp_path):
         ("serve.schedule=roundrobin", "serve.schedule must be one of fair, fifo, got 'roundrobin'"),
         ("serve.threads=-1", "serve.threads must be >= 0 (0 = auto), got -1"),
         ("serve.max_batch_rows=0", "serve.max_batch_rows must be >= 1, got 0"),
+        ("serve.slice_s=-0.1", "serve.slice_s must be >= 0 (0 = no slices), got -0.1"),
+        ("serve.slice_s=nan", "serve.slice_s must be >= 0 (0 = no slices), got nan"),
     ],
 )
 def test_bad_scheduler_keys_are_refused(override, message):

@@ -214,6 +214,21 @@ def test_a_generation_in_steps_with_training_between_samples_like_one_run(traine
         trainer.release_slot(3)
 
 
+def test_a_slice_of_seconds_ends_after_the_step_during_which_they_passed(trainer):
+    rows = slot_rows(trainer)
+    whole = outcome(sample_tokens(trainer, fresh(rows)))
+    generation = Generation(trainer, fresh(rows))
+    lengths, calls = [], 0
+    while not generation.advance(seconds=0.0):  # time is up at once: one step per call
+        calls += 1
+        lengths.append(max(len(o.tokens) for o in generation.out))
+    assert lengths == list(range(1, calls + 1)) and calls >= 4
+    assert same(outcome(generation.results()), whole)
+    generation = Generation(trainer, fresh(rows))
+    assert generation.advance(seconds=60.0)  # a slice longer than the generation: all of it
+    assert same(outcome(generation.results()), whole)
+
+
 def test_a_generation_fails_when_a_slot_it_samples_from_is_replaced(trainer):
     rows = [r for r in slot_rows(trainer) if r.slot == 1]
     generation = Generation(trainer, fresh(rows))

@@ -51,11 +51,11 @@ class ServeSection:
         "Most rows (datums of forward_backward requests, samples of sampling requests) one "
         "batch holds; a single larger request runs alone.",
     )
-    slice_tokens: int = opt(
-        8,
-        "Decode steps (tokens per row) a sampling batch runs before the worker may run one "
-        "batch of waiting training requests (forward, forward_backward, optim_step); 0 = "
-        "the whole generation at once.",
+    slice_s: float = opt(
+        0.2,
+        "Seconds of decoding a sampling batch runs before the worker may run one batch of "
+        "waiting training requests (forward, forward_backward, optim_step): about the "
+        "longest such a request waits for sampling; 0 = the whole generation at once.",
     )
     threads: int = opt(
         0,
@@ -96,10 +96,8 @@ class ServeConfig(MultiLoRAConfig):
             raise ConfigError(
                 f"serve.schedule must be one of {', '.join(SCHEDULES)}, got {s.schedule!r}."
             )
-        if s.slice_tokens < 0:
-            raise ConfigError(
-                f"serve.slice_tokens must be >= 0 (0 = no slices), got {s.slice_tokens}."
-            )
+        if not s.slice_s >= 0:
+            raise ConfigError(f"serve.slice_s must be >= 0 (0 = no slices), got {s.slice_s}.")
         if s.threads < 0:
             raise ConfigError(f"serve.threads must be >= 0 (0 = auto), got {s.threads}.")
         for key in ("max_request_bytes", "max_datums", "max_futures_per_tenant", "max_batch_rows"):

@@ -25,8 +25,8 @@ for at most the batch that is running when it arrives, whatever another tenant h
 ``fifo`` runs the earliest-arrived request first (the order before fairness; kept for
 comparisons).
 
-A sampling batch runs a slice at a time (:class:`Slices`: ``serve.slice_tokens`` decode
-steps per row): between two of its slices the worker runs one batch of the training
+A sampling batch runs a slice at a time (:class:`Slices`: about ``serve.slice_s`` seconds
+of decode steps): between two of its slices the worker runs one batch of the training
 requests (``forward``, ``forward_backward``, ``optim_step``) that are runnable, in the
 schedule's order. A tenant's training request therefore waits for one slice of another
 tenant's sampling, not for the whole generation. Other requests (sampling, saves, loads,

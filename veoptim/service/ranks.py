@@ -120,9 +120,9 @@ class ServedTrainer:
         a time per job."""
         self._everywhere("start_sampling", rows)
 
-    def advance_sampling(self, steps: int | None) -> bool:
+    def advance_sampling(self, steps: int | None, seconds: float | None = None) -> bool:
         """:meth:`Generation.advance` everywhere; whether every row stopped."""
-        return self._everywhere("advance_sampling", steps)
+        return self._everywhere("advance_sampling", steps, seconds)
 
     def sampled(self) -> list[SampledRow]:
         """The finished generation's rows, in the order they were started; it is dropped."""
@@ -278,7 +278,7 @@ CALLS: dict[str, Callable[..., Any]] = {
     ),
     "forward_tokens": _forward,
     "start_sampling": _start_sampling,
-    "advance_sampling": lambda t, _r, _w, steps, /: _generation(t).advance(steps),
+    "advance_sampling": lambda t, _r, _w, steps, seconds, /: _generation(t).advance(steps, seconds),
     "sampled": lambda t, _r, _w, /: _sampled(t),
     "drop_sampling": lambda t, _r, _w, /: _drop_sampling(t),
 }

@@ -71,7 +71,7 @@ class Service:
         self.checkpoints = Checkpoints(served, self.db, self.engine, self.slots, self.backend,
                                        metrics)  # fmt: skip
         self.samplers = Samplers(served, self.db, self.engine, self.slots, self.base, metrics,
-                                 cfg.serve.slice_tokens)  # fmt: skip
+                                 cfg.serve.slice_s)  # fmt: skip
         self.sessions = Sessions(self.db, self.engine, self.backend, self.samplers)
         self.catalog = Catalog(self.db)
         self.links = Links()

@@ -13,7 +13,7 @@ session samples them. The heads of the queue that sample (several requests, tena
 and snapshots) run as one batch of rows, a
 :class:`~veoptim.slots.tokens.Generation` (a KV cache, each row through its own
 slot's adapter; base-model requests batch among themselves), decoded
-``serve.slice_tokens`` steps at a time so that the worker can run other tenants'
+about ``serve.slice_s`` seconds at a time so that the worker can run other tenants'
 training requests between the slices.
 """
 
@@ -108,12 +108,12 @@ class Samplers:
     :class:`~veoptim.service.slots.Slots`."""
 
     def __init__(self, trainer: ServedTrainer, database: Database, engine: Engine, slots: Slots,
-                 served: ServedModel, metrics: MetricsLog, slice_tokens: int = 0,
+                 served: ServedModel, metrics: MetricsLog, slice_s: float = 0.0,
                  ) -> None:  # fmt: skip
         self.trainer, self.db, self.engine, self.slots = trainer, database, engine, slots
         self.served, self.metrics = served, metrics
-        #: Decode steps per slice of a sampling batch (0: the whole generation at once).
-        self.slice_tokens = slice_tokens
+        #: About how long one slice of a sampling batch decodes (0: the whole generation).
+        self.slice_s = slice_s
 
     # ------------------------------------------------------------------ sessions
     def create(self, tenant_id: int, session_id: str,
@@ -307,9 +307,9 @@ class Samplers:
 
 
 class SamplingBatch:
-    """A sampling batch in progress: prefilled when built, then decoded
-    ``serve.slice_tokens`` steps per :meth:`advance` (all at once with 0), so that the
-    worker can run other tenants' training requests between its slices."""
+    """A sampling batch in progress: prefilled when built, then decoded about
+    ``serve.slice_s`` seconds per :meth:`advance` (all at once with 0), so that the worker
+    can run other tenants' training requests between its slices."""
 
     def __init__(self, samplers: Samplers, rows: list[SampleRow],
                  owners: list[tuple[int, SampleRequest, int, int | None]],
@@ -323,7 +323,7 @@ class SamplingBatch:
 
     def advance(self) -> bool:
         began = time.perf_counter()
-        finished = self.trainer.advance_sampling(self.samplers.slice_tokens or None)
+        finished = self.trainer.advance_sampling(None, self.samplers.slice_s or None)
         self.seconds += time.perf_counter() - began
         return finished
 

@@ -19,6 +19,7 @@ row through its own slot's adapter: what a sampler of the service runs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -252,12 +253,15 @@ class Generation:
             #: The rows in the batch, in its order.
             self.batch = list(range(len(rows)))
             self.done = [r.max_tokens <= 0 for r in rows]
-            self.finished = _all_done(trainer, self.done)
+            self.finished, _ = _all_done(trainer, self.done)
 
-    def advance(self, steps: int | None = None) -> bool:
-        """Decode at most ``steps`` more tokens per row (None: until every row stops);
-        whether every row of every rank has stopped. Collective under ``torchrun``: every
-        rank calls it with the same ``steps``."""
+    def advance(self, steps: int | None = None, seconds: float | None = None) -> bool:
+        """Decode at most ``steps`` more tokens per row (None: no limit), and stop after the
+        step during which ``seconds`` passed on rank 0's clock (None: no limit); whether
+        every row of every rank has stopped. Collective under ``torchrun``: every rank calls
+        it with the same arguments, and rank 0's "time is up" travels in the per-step sum
+        that tells every rank whether all rows stopped, so all ranks stop at the same step."""
+        began = time.perf_counter()
         trainer, rows, done = self.trainer, self.rows, self.done
         taken = 0
         if self.finished or steps == 0:
@@ -269,7 +273,8 @@ class Generation:
                 for k, i in enumerate(self.batch):
                     if not done[i]:
                         _append(trainer, rows[i], self.out[i], chosen[k], logprobs[k], done, i)
-                self.finished = _all_done(trainer, done)
+                late = seconds is not None and time.perf_counter() - began >= seconds
+                self.finished, late = _all_done(trainer, done, late and trainer.ctx.rank == 0)
                 if self.finished:
                     break
                 step = torch.tensor(chosen, device=trainer.ctx.device).unsqueeze(-1)
@@ -290,6 +295,8 @@ class Generation:
                 self.cache, self.last = result.past_key_values, result.logits[:, -1].float()
                 self.next_pos = self.next_pos + 1
                 taken += 1
+                if late:
+                    break
         if self.finished:
             self.cache = self.last = None  # type: ignore[assignment]
         return self.finished
@@ -416,12 +423,13 @@ def _kept(batch: list[int], done: list[bool]) -> list[int] | None:
     return live or [0]
 
 
-def _all_done(trainer: SlotTrainer, done: list[bool]) -> bool:
-    """Every row of every rank stopped (collective under torchrun: one small sum)."""
-    left = torch.tensor([float(sum(not d for d in done))])
+def _all_done(trainer: SlotTrainer, done: list[bool], stop: bool = False) -> tuple[bool, bool]:
+    """Whether every row of every rank stopped, and whether any rank asked to ``stop``
+    (collective under torchrun: one small sum)."""
+    left = torch.tensor([float(sum(not d for d in done)), float(stop)])
     if trainer.ctx.world_size > 1:
         left = trainer.plan.all_reduce_sum(left.to(trainer.ctx.device)).cpu()
-    return bool(left.item() == 0)
+    return bool(left[0].item() == 0), bool(left[1].item() > 0)
 
 
 def _pick(scaled: torch.Tensor, row: SampleRow) -> int:
