@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from veoptim.checkpoint import Publisher
 from veoptim.config.schema import ExportConfig
-from veoptim.export.adapters import publish_adapter
-from veoptim.export.hf_format import KIND_HF_EXPORT, full_model_state, write_hf_export
-from veoptim.lora.peft_format import merged_state, peft_adapter_state
+from veoptim.export import ExportOptions, ModelState, publish_export, run_format
 from veoptim.trainer import Callback, Metrics, Trainer
 
 log = logging.getLogger(__name__)
@@ -57,35 +54,15 @@ class HFExportCallback(Callback):
         self.export(trainer, export_name(trainer, self.cfg, final=True))
 
     def export(self, trainer: Trainer, name: str) -> None:
-        """Gather the model (collective) and publish it as ``name`` from rank 0: the full
-        model, the merged LoRA model, or the PEFT adapter directory."""
-        lora = trainer.cfg.lora.enabled
-        if lora and not self.cfg.merge_lora:
-            self._export_adapter(trainer, name)
-            return
-        state = merged_state(trainer.model) if lora else full_model_state(trainer.model)
-        publisher = Publisher(
-            trainer.run_dir / EXPORTS_SUBDIR, fsync=self.fsync, run=trainer.run_id
-        )
-        step = trainer.progress.global_step
-        with publisher.write(name, kind=KIND_HF_EXPORT, step=step, prunable=False) as out:
-            if trainer.ctx.is_main:
-                write_hf_export(
-                    state,
-                    trainer.model,
-                    trainer.tokenizer,
-                    out,
-                    dtype=self.cfg.dtype,
-                    max_shard_size_mb=self.cfg.max_shard_size_mb,
-                )
-        del state
-        log.info("exported Hugging Face model to %s", publisher.root / name)
-
-    def _export_adapter(self, trainer: Trainer, name: str) -> None:
-        """The PEFT adapter directory; a base built from config is exported once beside it."""
-        adapter = peft_adapter_state(trainer.model)  # collective
-        path = publish_adapter(adapter, trainer.model, trainer.cfg, trainer.tokenizer,
-                               trainer.run_dir / EXPORTS_SUBDIR, name, step=trainer.progress.global_step,
-                               fsync=self.fsync, is_main=trainer.ctx.is_main,
-                               run=trainer.run_id)  # fmt: skip
-        log.info("exported the LoRA adapter (PEFT format) to %s", path)
+        """Publish the model as ``name`` through the export registry (collective; rank 0
+        writes): the full model, the merged LoRA model, or the PEFT adapter directory."""
+        fmt = run_format(trainer.cfg)
+        root = trainer.run_dir / EXPORTS_SUBDIR
+        state = ModelState(trainer.model, trainer.cfg, trainer.tokenizer,
+                           trainer.progress.global_step, root, run=trainer.run_id,
+                           origin=str(trainer.run_dir), lora=trainer.cfg.lora.enabled,
+                           is_main=trainer.ctx.is_main, fsync=self.fsync)  # fmt: skip
+        options = ExportOptions(dtype=self.cfg.dtype, max_shard_size_mb=self.cfg.max_shard_size_mb)
+        publish_export(fmt, state, root, name, options)
+        what = "the LoRA adapter (PEFT format)" if fmt == "peft" else "Hugging Face model"
+        log.info("exported %s to %s", what, root / name)
