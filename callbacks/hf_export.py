@@ -8,6 +8,7 @@ once, under that name), all in ``<run.dir>/exports`` with kind ``hf_export``.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from veoptim.config.schema import ExportConfig
 from veoptim.export import ExportOptions, ModelState, publish_export, run_format
@@ -36,6 +37,14 @@ def export_name(trainer: Trainer, cfg: ExportConfig, *, final: bool) -> str:
     return LORA_STEP_PATTERN.format(step=step) if adapters else hf_step_name(step)
 
 
+def live_state(trainer: Trainer, exports_root: Path, *, fsync: bool = True) -> ModelState:
+    """The training model as the export registry's writers take it."""
+    return ModelState(trainer.model, trainer.cfg, trainer.tokenizer,
+                      trainer.progress.global_step, exports_root, run=trainer.run_id,
+                      origin=str(trainer.run_dir), lora=trainer.cfg.lora.enabled,
+                      is_main=trainer.ctx.is_main, fsync=fsync)  # fmt: skip
+
+
 class HFExportCallback(Callback):
     """Writes ``<run.dir>/exports/hf_step_*`` at the cadence and ``hf_final`` at the end."""
 
@@ -58,10 +67,7 @@ class HFExportCallback(Callback):
         writes): the full model, the merged LoRA model, or the PEFT adapter directory."""
         fmt = run_format(trainer.cfg)
         root = trainer.run_dir / EXPORTS_SUBDIR
-        state = ModelState(trainer.model, trainer.cfg, trainer.tokenizer,
-                           trainer.progress.global_step, root, run=trainer.run_id,
-                           origin=str(trainer.run_dir), lora=trainer.cfg.lora.enabled,
-                           is_main=trainer.ctx.is_main, fsync=self.fsync)  # fmt: skip
+        state = live_state(trainer, root, fsync=self.fsync)
         options = ExportOptions(dtype=self.cfg.dtype, max_shard_size_mb=self.cfg.max_shard_size_mb)
         publish_export(fmt, state, root, name, options)
         what = "the LoRA adapter (PEFT format)" if fmt == "peft" else "Hugging Face model"
