@@ -8,12 +8,10 @@ once, under that name), all in ``<run.dir>/exports`` with kind ``hf_export``.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from veoptim.checkpoint import Publisher
 from veoptim.config.schema import ExportConfig
-from veoptim.export.adapters import publish_adapter
-from veoptim.export.hf_format import KIND_HF_EXPORT, full_model_state, write_hf_export
-from veoptim.lora.peft_format import merged_state, peft_adapter_state
+from veoptim.export import ExportOptions, ModelState, publish_export, run_format
 from veoptim.trainer import Callback, Metrics, Trainer
 
 log = logging.getLogger(__name__)
@@ -39,6 +37,14 @@ def export_name(trainer: Trainer, cfg: ExportConfig, *, final: bool) -> str:
     return LORA_STEP_PATTERN.format(step=step) if adapters else hf_step_name(step)
 
 
+def live_state(trainer: Trainer, exports_root: Path, *, fsync: bool = True) -> ModelState:
+    """The training model as the export registry's writers take it."""
+    return ModelState(trainer.model, trainer.cfg, trainer.tokenizer,
+                      trainer.progress.global_step, exports_root, run=trainer.run_id,
+                      origin=str(trainer.run_dir), lora=trainer.cfg.lora.enabled,
+                      is_main=trainer.ctx.is_main, fsync=fsync)  # fmt: skip
+
+
 class HFExportCallback(Callback):
     """Writes ``<run.dir>/exports/hf_step_*`` at the cadence and ``hf_final`` at the end."""
 
@@ -57,35 +63,12 @@ class HFExportCallback(Callback):
         self.export(trainer, export_name(trainer, self.cfg, final=True))
 
     def export(self, trainer: Trainer, name: str) -> None:
-        """Gather the model (collective) and publish it as ``name`` from rank 0: the full
-        model, the merged LoRA model, or the PEFT adapter directory."""
-        lora = trainer.cfg.lora.enabled
-        if lora and not self.cfg.merge_lora:
-            self._export_adapter(trainer, name)
-            return
-        state = merged_state(trainer.model) if lora else full_model_state(trainer.model)
-        publisher = Publisher(
-            trainer.run_dir / EXPORTS_SUBDIR, fsync=self.fsync, run=trainer.run_id
-        )
-        step = trainer.progress.global_step
-        with publisher.write(name, kind=KIND_HF_EXPORT, step=step, prunable=False) as out:
-            if trainer.ctx.is_main:
-                write_hf_export(
-                    state,
-                    trainer.model,
-                    trainer.tokenizer,
-                    out,
-                    dtype=self.cfg.dtype,
-                    max_shard_size_mb=self.cfg.max_shard_size_mb,
-                )
-        del state
-        log.info("exported Hugging Face model to %s", publisher.root / name)
-
-    def _export_adapter(self, trainer: Trainer, name: str) -> None:
-        """The PEFT adapter directory; a base built from config is exported once beside it."""
-        adapter = peft_adapter_state(trainer.model)  # collective
-        path = publish_adapter(adapter, trainer.model, trainer.cfg, trainer.tokenizer,
-                               trainer.run_dir / EXPORTS_SUBDIR, name, step=trainer.progress.global_step,
-                               fsync=self.fsync, is_main=trainer.ctx.is_main,
-                               run=trainer.run_id)  # fmt: skip
-        log.info("exported the LoRA adapter (PEFT format) to %s", path)
+        """Publish the model as ``name`` through the export registry (collective; rank 0
+        writes): the full model, the merged LoRA model, or the PEFT adapter directory."""
+        fmt = run_format(trainer.cfg)
+        root = trainer.run_dir / EXPORTS_SUBDIR
+        state = live_state(trainer, root, fsync=self.fsync)
+        options = ExportOptions(dtype=self.cfg.dtype, max_shard_size_mb=self.cfg.max_shard_size_mb)
+        publish_export(fmt, state, root, name, options)
+        what = "the LoRA adapter (PEFT format)" if fmt == "peft" else "Hugging Face model"
+        log.info("exported %s to %s", what, root / name)

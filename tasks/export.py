@@ -19,7 +19,7 @@ from contextlib import nullcontext
 
 from veoptim.distributed.log import disable_library_progress_bars
 from veoptim.errors import VeoptimError
-from veoptim.export import FORMATS, ExportOptions, export_checkpoint
+from veoptim.export import ExportOptions, export_checkpoint, names
 from veoptim.rundir import locked_run_dir, owning_run_dir
 
 DTYPE_CHOICES = ("bf16", "fp32", "preserve")
@@ -38,9 +38,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--format",
         default="hf",
-        choices=FORMATS,
+        choices=names(),
         help="hf: full model; peft: LoRA adapter directory; merged: LoRA merged into the "
-        "model; dcp: the whole training checkpoint in DCP's own shard layout (torch's tools)",
+        "model; dcp: the whole training checkpoint in DCP's own shard layout (torch's tools); "
+        "and any format registered in veoptim.export.registry",
     )
     p.add_argument("--dtype", default="bf16", choices=DTYPE_CHOICES)
     p.add_argument("--max-shard-size-mb", type=int, default=2048)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import veoptim.export.formats as formats
+import veoptim.export.registry as registry
 from tests.checkpoint.ckpt_state import build_trainer, save_with
 from veoptim.checkpoint import resolve, storage
 from veoptim.checkpoint.checkpointer import Checkpointer
@@ -138,9 +138,9 @@ def test_a_lora_checkpoint_is_refused_as_a_full_model_naming_the_formats_that_fi
     lora = dataclasses.replace(
         source, saved={"model.layers.0.q_proj.lora_A.weight": TensorSpec((4, 8), torch.float32)}
     )
-    assert lora.has_lora and check_format(lora, "peft") is formats.WRITERS["peft"]
+    assert lora.has_lora and check_format(lora, "peft") is registry.lookup("peft").write
     with pytest.raises(CheckpointError, match="is a LoRA checkpoint; export it with --format peft"):
-        write_hf(lora, Path("/nowhere"), PRESERVE)
+        check_format(lora, "hf")
 
 
 def test_read_model_tensors_refuses_another_inventory_before_reading(saved, monkeypatch):
@@ -162,11 +162,13 @@ def test_a_failing_writer_leaves_the_previous_export_published(saved, tmp_path, 
     out = tmp_path / "out"
     first = export(saved, out, options=PRESERVE).path
 
-    def failing(source, out_dir: Path, options) -> None:
+    def failing(state, out_dir: Path, options) -> None:
         (out_dir / "half.safetensors").write_bytes(b"\0" * 16)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setitem(formats.WRITERS, "hf", failing)
+    monkeypatch.setitem(
+        registry._REGISTRY, "hf", dataclasses.replace(registry.lookup("hf"), write=failing)
+    )
     with pytest.raises(CheckpointError, match="No space left on device"):
         export(saved, out)
     assert resolve(out, "hf") == first
@@ -178,11 +180,13 @@ def test_an_interrupted_export_is_removed_and_never_published(saved, tmp_path, m
     first = export(saved, out, options=PRESERVE).path
     before = versions(out)
 
-    def interrupted(source, out_dir: Path, options) -> None:
+    def interrupted(state, out_dir: Path, options) -> None:
         (out_dir / "half.safetensors").write_bytes(b"\0" * 16)
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(formats.WRITERS, "hf", interrupted)
+    monkeypatch.setitem(
+        registry._REGISTRY, "hf", dataclasses.replace(registry.lookup("hf"), write=interrupted)
+    )
     with pytest.raises(KeyboardInterrupt):
         export(saved, out)
     assert resolve(out, "hf") == first

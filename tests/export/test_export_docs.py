@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from veoptim.export.formats import FORMATS
+from veoptim.export import FORMATS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "exports.md"
 

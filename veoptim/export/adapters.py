@@ -1,5 +1,6 @@
-"""Publishing a PEFT adapter directory from live adapters: the one way the end-of-run
-callback, the multi-LoRA slots and ``veoptim-export --format peft`` write an adapter.
+"""The PEFT adapter directory and its base: the pieces of the registry's ``peft`` format
+(``formats.write_peft``), which the end-of-run callback, the multi-LoRA slots and
+``veoptim-export --format peft`` all publish through.
 
 An adapter names its base in ``adapter_config.json`` (``base_model_name_or_path``) by a
 path that stays valid as long as the base is published; a base built from config has no
@@ -146,24 +147,3 @@ def ensure_base_export(
                      dtype=cfg.export.dtype, max_shard_size_mb=cfg.export.max_shard_size_mb,
                      fsync=fsync, is_main=is_main, run=run)  # fmt: skip
         log.info("exported the frozen base model to %s", exports_root / BASE_EXPORT)
-
-
-def publish_adapter(
-    adapter: dict[str, torch.Tensor], model: nn.Module, cfg: TrainerConfig, tokenizer: Any,
-    exports_root: Path, name: str, *, subdir: str = "", step: int = 0, fsync: bool = True,
-    is_main: bool = True, run: str | None = None,
-) -> Path:  # fmt: skip
-    """Publish ``adapter`` (PEFT key names, gathered) as the adapter directory
-    ``<exports_root>/<subdir>/<name>``, its base published beside it first where needed.
-    ``cfg.lora`` describes the adapter (rank, alpha); ``run``: the run id the manifests
-    record. Collective; returns the published name.
-    """
-    ensure_base_export(model, cfg, tokenizer, exports_root, step=step, fsync=fsync,
-                       is_main=is_main, run=run)  # fmt: skip
-    root = exports_root / subdir if subdir else exports_root
-    base = base_reference(cfg, exports_root)
-    with Publisher(root, fsync=fsync, run=run).write(name, kind=KIND_HF_EXPORT, step=step,
-                                                     prunable=False) as out:  # fmt: skip
-        if is_main:
-            write_adapter_dir(out, adapter, cfg, model, base, tokenizer)
-    return root / name

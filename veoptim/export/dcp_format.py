@@ -42,7 +42,10 @@ def _nested(flat: dict[str, torch.Tensor], metadata: Metadata, where: Path) -> d
 
 
 def write_dcp(source: Any, out_dir: Path, options: Any) -> None:
-    """Copy ``source``'s checkpoint into ``out_dir`` with DCP ``torch_save`` shards."""
+    """Copy ``source``'s checkpoint (a ``CheckpointSource``) into ``out_dir`` with DCP
+    ``torch_save`` shards. The registry's one checkpoint-copying entry: it copies a
+    checkpoint, not a model, so it gets the checkpoint rather than a ``ModelState`` and has
+    no live export."""
     reader = Checkpointer(source.version.parent, fsync=False)
     info = read_info(source.version)
     read = reader.read(source.version, {e.name: None for e in info.entries if e.tensors})

@@ -4,8 +4,9 @@ generation config and tokenizer, all world-readable.
 The directory loads with ``AutoModelForCausalLM.from_pretrained`` without any
 conversion. This module only fills a directory; callers publish it atomically
 through the checkpoint publisher, like every other writer. The live export
-(``callbacks/hf_export.py``) and the offline one (``veoptim.export``) both call
-``write_hf_export`` with the same inputs, so they write the same bytes.
+(``callbacks/hf_export.py``) and the offline one (``veoptim-export``) both reach it through
+the registry's ``hf`` writer (``formats.write_hf``) with the same inputs, so they write the
+same bytes.
 
 Weights go through ``huggingface_hub.save_torch_state_dict``: it plans the shards
 (``max_shard_size`` in bytes; a tensor larger than that gets a shard of its own), writes

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from veoptim.config.schema import TrainerConfig
-from veoptim.export.adapters import publish_adapter
+from veoptim.export import ExportOptions, ModelState, publish_export
 from veoptim.lora.peft_format import peft_adapter_state
 from veoptim.slots.routing import SlotParams
 
@@ -36,9 +36,12 @@ def publish_slot_adapter(
         for key, tensor in peft_adapter_state(model, params.adapter).items()
     }
     lora = dataclasses.replace(cfg.lora, r=spec.r, alpha=spec.alpha, use_rslora=spec.use_rslora)
-    return publish_adapter(adapter, model, dataclasses.replace(cfg, lora=lora), tokenizer,
-                           exports_root, name, subdir=SLOT_EXPORTS, fsync=cfg.checkpoint.fsync,
-                           is_main=is_main)  # fmt: skip
+    state = ModelState(model, dataclasses.replace(cfg, lora=lora), tokenizer, 0, exports_root,
+                       origin=name, lora=True, is_main=is_main, fsync=cfg.checkpoint.fsync,
+                       adapter=adapter)  # fmt: skip
+    options = ExportOptions(dtype=cfg.export.dtype, max_shard_size_mb=cfg.export.max_shard_size_mb)
+    publish_export("peft", state, exports_root / SLOT_EXPORTS, name, options)
+    return exports_root / SLOT_EXPORTS / name
 
 
 def _leading_rank(key: str, tensor: torch.Tensor, r: int) -> torch.Tensor:
