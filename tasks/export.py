@@ -1,7 +1,7 @@
 """Export a training checkpoint as a Hugging Face model directory, without a training job.
 
     veoptim-export runs/sft/checkpoints/step_00000500 --out runs/sft/exports --name hf_step_500
-    python -m tasks.export CHECKPOINT --out ROOT --name NAME [--format hf|peft|merged]
+    python -m tasks.export CHECKPOINT --out ROOT --name NAME [--format hf|peft|merged|dcp|...]
         [--dtype bf16|fp32|preserve] [--max-shard-size-mb N]
 
 The checkpoint (a name link such as <run>/checkpoints/step_00000500, or a version

@@ -282,8 +282,8 @@ def sliced_engine(tmp_path, fail_at: int = 0):
 
 
 def test_training_requests_run_between_the_slices_of_another_tenants_sampling_batch(tmp_path):
-    """While tenant 2's sampling batch runs, tenant 1's forward and optim_step each run
-    after one slice of it; tenant 3's save and tenant 2's next sampling request (which
+    """While tenant 2's sampling batch runs (its first slice right after its start),
+    tenant 1's forward and optim_step each run after one slice of it; tenant 3's save and tenant 2's next sampling request (which
     could change the slots it samples from) wait for its end; it is delivered whole."""
     e, ran, started, release = sliced_engine(tmp_path)
     m = add(e, "m")
@@ -300,7 +300,7 @@ def test_training_requests_run_between_the_slices_of_another_tenants_sampling_ba
     release.set()
     settle(e)
     e.stop(5)
-    assert ran == [["b0"], ["a1"], ["slice1"], ["a2"], ["slice2"], ["slice3"], ["c"], ["b1"],
+    assert ran == [["b0"], ["slice1"], ["a1"], ["slice2"], ["a2"], ["slice3"], ["c"], ["b1"],
                    ["slice1"], ["slice2"], ["slice3"]], ran  # fmt: skip
     assert b0.status == "done" and b0.result == {"label": "b0"}
 
@@ -316,5 +316,5 @@ def test_a_failed_slice_fails_its_batch_and_drops_it_and_the_worker_goes_on(tmp_
     release.set()
     settle(e)
     e.stop(5)
-    assert ran == [["b0"], ["a"], ["slice1"], ["slice2"], ["abandoned"]], ran
+    assert ran == [["b0"], ["slice1"], ["a"], ["slice2"], ["abandoned"]], ran
     assert b0.status == "failed" and "the slice failed." in b0.error

@@ -357,10 +357,9 @@ class Engine:
                     ops = self._take()
                 self._busy = True
             try:
-                in_progress = self._slicing is not None  # else ops may start one: its turn next
                 if ops:
-                    self._execute(ops)
-                if in_progress:
+                    self._execute(ops)  # may start a batch of slices: its first one follows
+                if self._slicing is not None:
                     self._next_slice()
             finally:
                 with self._cond:

@@ -320,10 +320,16 @@ class SamplingBatch:
         self.trainer.start_sampling(rows)
         #: The seconds the batch itself ran (its slices; not the requests run between them).
         self.seconds = time.perf_counter() - began
+        self.first = True
 
     def advance(self) -> bool:
+        """The next slice: about ``serve.slice_s`` seconds, the first one counting the
+        prefill (it follows the prefill directly: other requests wait one slice)."""
+        slice_s = self.samplers.slice_s
+        budget = max(0.0, slice_s - self.seconds) if self.first else slice_s
+        self.first = False
         began = time.perf_counter()
-        finished = self.trainer.advance_sampling(None, self.samplers.slice_s or None)
+        finished = self.trainer.advance_sampling(None, budget if slice_s > 0 else None)
         self.seconds += time.perf_counter() - began
         return finished
 
