@@ -305,6 +305,28 @@ def test_training_requests_run_between_the_slices_of_another_tenants_sampling_ba
     assert b0.status == "done" and b0.result == {"label": "b0"}
 
 
+def test_each_slice_is_a_turn_so_a_request_waiting_through_the_last_one_goes_before_the_next_batch(
+    tmp_path,
+):
+    """Tenant 1's third request waits through the last slice of tenant 2's batch; that
+    slice was tenant 2's turn, so tenant 1's request runs before tenant 2's next batch
+    (counting only the batch's start as its turn put the next batch first)."""
+    e, ran, started, release = sliced_engine(tmp_path)
+    m = add(e, "m")
+    e.start()
+    e.submit(2, None, None, "sample", lambda: Op("sample", None, batch=Labeled("sample", "b0")))
+    assert started.wait(10)
+    for seq in (1, 2, 3):
+        e.submit(1, m, seq, "forward",
+                 lambda s=seq: Op("forward", None, batch=Labeled("forward", f"a{s}")))  # fmt: skip
+    e.submit(2, None, None, "sample", lambda: Op("sample", None, batch=Labeled("sample", "b1")))
+    release.set()
+    settle(e)
+    e.stop(5)
+    assert ran == [["b0"], ["slice1"], ["a1"], ["slice2"], ["a2"], ["slice3"], ["a3"], ["b1"],
+                   ["slice1"], ["slice2"], ["slice3"]], ran  # fmt: skip
+
+
 def test_a_failed_slice_fails_its_batch_and_drops_it_and_the_worker_goes_on(tmp_path):
     e, ran, started, release = sliced_engine(tmp_path, fail_at=2)
     e.start()

@@ -141,8 +141,8 @@ class Engine:
         self._stopping = False
         self._deadline = float("inf")
         self._busy = False
-        #: The batch in progress between its slices, and its requests.
-        self._slicing: tuple[list[Op], Slices] | None = None
+        #: The batch in progress between its slices, and the queue heads it took.
+        self._slicing: tuple[list[Head], Slices] | None = None
         self._thread = threading.Thread(target=self._loop, name="veoptim-service-worker")
         self._thread.daemon = True
 
@@ -269,7 +269,7 @@ class Engine:
                 del model.seen[old]
 
     # ------------------------------------------------------------------ worker
-    def _take(self) -> list[Op]:
+    def _take(self) -> list[Head]:
         """The next ops to run (under the lock): the first runnable op in the schedule's
         order, plus, for a batchable one, the runnable ops that join it (heads of other
         models' queues, unordered requests), in the same order, within the row bound.
@@ -287,15 +287,22 @@ class Engine:
                 if joins and rows + head.op.rows <= self.max_batch_rows:
                     chosen.append(head)
                     rows += head.op.rows
-        self._batches += 1
+        self._count_turn(chosen)
         for head in chosen:
-            self._served[head.op.tenant_id] = self._served[head.queue] = self._batches
             if head.model is None:
                 self._free.remove(head.op)
             else:
                 del head.model.queue[head.model.next_seq]
                 head.model.next_seq += 1
-        return [head.op for head in chosen]
+        return chosen
+
+    def _count_turn(self, heads: list[Head]) -> None:
+        """Their tenants and queues were served now: each batch, and each slice of a batch
+        in progress, is one turn, so a tenant whose request waited through a slice goes
+        before the next batch of the tenants in that slice."""
+        self._batches += 1
+        for head in heads:
+            self._served[head.op.tenant_id] = self._served[head.queue] = self._batches
 
     def _runnable(self) -> list[Head]:
         """Every op that may run now, in the schedule's order: ``fifo`` by arrival;
@@ -349,24 +356,29 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                ops = self._take() if not self._past_deadline() else []
-                while not ops and self._slicing is None:
+                heads = self._take() if not self._past_deadline() else []
+                while not heads and self._slicing is None:
                     if self._stopping:
                         return
                     self._cond.wait(0.25)
-                    ops = self._take()
+                    heads = self._take()
                 self._busy = True
+            sliced = None
             try:
-                if ops:
-                    self._execute(ops)  # may start a batch of slices: its first one follows
-                if self._slicing is not None:
+                if heads:
+                    self._execute(heads)  # may start a batch of slices: its first one follows
+                sliced = self._slicing
+                if sliced is not None:
                     self._next_slice()
             finally:
                 with self._cond:
+                    if sliced is not None:
+                        self._count_turn(sliced[0])
                     self._busy = False
                     self._cond.notify_all()
 
-    def _execute(self, ops: list[Op]) -> None:
+    def _execute(self, heads: list[Head]) -> None:
+        ops = [head.op for head in heads]
         try:
             if ops[0].batch is not None:
                 results = self._run_batch(ops)
@@ -378,12 +390,13 @@ class Engine:
         if isinstance(results, list):
             self._deliver(ops, results)
         else:
-            self._slicing = (ops, results)
+            self._slicing = (heads, results)
 
     def _next_slice(self) -> None:
         """The batch in progress: its next slice, and its results once it ended (or it is
         abandoned, its requests failed, once the drain's deadline passed)."""
-        ops, slices = self._slicing  # type: ignore[misc]
+        heads, slices = self._slicing  # type: ignore[misc]
+        ops = [head.op for head in heads]
         try:
             if self._past_deadline():
                 raise ServiceError("the server shut down before this request finished.",
