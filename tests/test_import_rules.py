@@ -116,19 +116,35 @@ def violations(module: str, source: str, is_package: bool = False) -> list[str]:
     return out
 
 
-#: A subpackage -> the modules of the library that may import its modules (not just the
-#: package itself, its door).
-DOORS: dict[str, str] = {"veoptim.checkpoint.storage": "veoptim.checkpoint.storage"}
+#: A package -> the modules of the library that may import its modules (the rest import
+#: only the package itself, its door; docs/architecture.md "One door per concern").
+DOORS: dict[str, str] = {
+    "veoptim.checkpoint.storage": "veoptim.checkpoint.storage",
+    "veoptim.checkpoint": "veoptim.checkpoint",
+    "veoptim.export": "veoptim.export",
+    "veoptim.optim.kernels": "veoptim.optim.kernels",
+    "veoptim.slots": "veoptim.slots",
+}
+#: A module of the standard library or a dependency -> the one library module that uses it.
+ONE_USER: dict[str, str] = {"sqlite3": "veoptim.service.db"}
 
 
-def door_violations(module: str, source: str, is_package: bool = False) -> list[str]:
-    """'module imports X behind the door of P' for every import of a subpackage's module
-    from outside that subpackage."""
+def door_violations(
+    module: str, source: str, is_package: bool = False, modules: Collection[str] = ()
+) -> list[str]:
+    """'module imports X behind the door of P' for every import of a module of a door's
+    package (``modules``: the library's; a name imported from the package itself is
+    through the door) from outside that package, and every import of a module with one
+    user by another."""
     out = []
     for imported in sorted(imported_modules(source, module, is_package)):
         for package, inside in DOORS.items():
-            if _within(imported, package) and imported != package and not _within(module, inside):
+            behind = _within(imported, package) and imported != package and imported in modules
+            if behind and not _within(module, inside):
                 out.append(f"{module} imports {imported} (enter {package} through its door)")
+        for name, user in ONE_USER.items():
+            if _within(imported, name) and module != user:
+                out.append(f"{module} imports {imported} (only {user} does)")
     return out
 
 
@@ -277,18 +293,34 @@ def test_the_circle_check_finds_a_circle():
     assert circles(graph) == [["a", "b", "c"]]
 
 
-def test_the_dcp_storage_is_entered_only_through_its_door():
+def test_each_concern_is_entered_only_through_its_door():
+    modules = library_modules()
     found = []
-    for name, path in library_modules().items():
-        found += door_violations(name, path.read_text(), path.name == "__init__.py")
+    for name, path in modules.items():
+        found += door_violations(name, path.read_text(), path.name == "__init__.py", modules)
     assert found == []
-    # negative controls: a module behind the door, from outside; the door itself, inside
-    assert door_violations(
-        "veoptim.export.extra", "from veoptim.checkpoint.storage.raw_reader import x\n"
-    )
-    assert not door_violations("veoptim.export.extra", "from veoptim.checkpoint import storage\n")
+    # negative controls: a module behind a door, from outside; the door itself; inside
+    for outside, imported in [
+        ("veoptim.export.extra", "veoptim.checkpoint.storage.raw_reader"),
+        ("veoptim.export.extra", "veoptim.checkpoint.checkpointer"),
+        ("veoptim.trainer.extra", "veoptim.checkpoint.storage"),
+        ("veoptim.service.extra", "veoptim.slots.tokens"),
+        ("veoptim.optim.extra", "veoptim.optim.kernels.eager"),
+        ("tasks.extra", "veoptim.export.registry"),
+    ]:
+        assert door_violations(outside, f"from {imported} import x\n", modules=modules), imported
+    assert door_violations("veoptim.service.extra", "import sqlite3\n", modules=modules)
+    assert not door_violations("veoptim.service.db", "import sqlite3\n", modules=modules)
     assert not door_violations(
-        "veoptim.checkpoint.storage.extra", "from veoptim.checkpoint.storage.raw_format import x\n"
+        "veoptim.export.extra", "from veoptim.checkpoint import Checkpointer\n", modules=modules
+    )
+    assert not door_violations(
+        "veoptim.checkpoint.extra", "from veoptim.checkpoint.storage import x\n", modules=modules
+    )
+    assert not door_violations(
+        "veoptim.checkpoint.storage.extra",
+        "from veoptim.checkpoint.storage.raw_format import x\n",
+        modules=modules,
     )
 
 

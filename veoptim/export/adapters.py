@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from veoptim.checkpoint.layout import read_link
-from veoptim.checkpoint.publish import Publisher
+from veoptim.checkpoint import Publisher, read_link
 from veoptim.config.schema import TrainerConfig
 from veoptim.distributed.agreement import on_rank0
 from veoptim.export.hf_format import KIND_HF_EXPORT, make_readable, write_hf_export

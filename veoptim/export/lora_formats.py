@@ -12,8 +12,7 @@ import logging
 
 from torch import nn
 
-from veoptim.checkpoint import component as C
-from veoptim.checkpoint.component import read_json
+from veoptim.checkpoint import read_json, shared_json_path
 from veoptim.data import special_token_ids
 from veoptim.errors import CheckpointError
 from veoptim.export.source import CheckpointSource, read_model_tensors
@@ -40,7 +39,7 @@ def lora_model(source: CheckpointSource, allow_other_base: bool = False) -> nn.M
     cfg = source.cfg
     special = special_token_ids(source.tokenizer)
     model = build_model(cfg.model, len(source.tokenizer), special)
-    saved = read_json(C.shared_json_path(source.version, MODEL))
+    saved = read_json(shared_json_path(source.version, MODEL))
     if not isinstance(saved, dict) or not isinstance(saved.get(BASE), dict):
         raise CheckpointError(f"{source.version} records no base model for its adapters.")
     live = base_fingerprint(model.config, cfg.model.path, cfg.model.init_seed, cfg.model.quant)

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from veoptim.checkpoint.layout import KIND_CHECKPOINT
-from veoptim.checkpoint.publish import Published, Publisher
+from veoptim.checkpoint import KIND_CHECKPOINT, Published, Publisher
 from veoptim.config.schema import TrainerConfig
 from veoptim.errors import CheckpointError, ConfigError
 from veoptim.export.dcp_format import write_dcp

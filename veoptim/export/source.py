@@ -17,11 +17,16 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from veoptim.checkpoint import component as C
-from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.component import Inventory
-from veoptim.checkpoint.layout import VERSIONS_DIR, manifest_path
-from veoptim.checkpoint.versions import latest_complete, locate_path
+from veoptim.checkpoint import (
+    INFO_FILE,
+    VERSIONS_DIR,
+    Checkpointer,
+    Inventory,
+    latest_complete,
+    locate_path,
+    manifest_path,
+    shared_json_path,
+)
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import load_tokenizer, special_token_ids
 from veoptim.errors import CheckpointError
@@ -61,7 +66,7 @@ def _refuse_non_checkpoint(path: Path) -> None:
                 f"{path} is an incomplete checkpoint version (no manifest.json: its save never "
                 "finished); pass a published checkpoint name such as <root>/step_..."
             )
-        if (path / C.INFO_FILE).is_file():
+        if (path / INFO_FILE).is_file():
             return
         if (path / "checkpoints").is_dir():
             newest = latest_complete(path / "checkpoints")
@@ -99,7 +104,7 @@ def _saved_config(version: Path, saved: Any) -> TrainerConfig:
         base = OmegaConf.structured(TrainerConfig)
         return OmegaConf.to_object(OmegaConf.merge(base, _known_keys(saved, base)))
     except Exception as exc:
-        path = C.shared_json_path(version, CONFIG)
+        path = shared_json_path(version, CONFIG)
         raise CheckpointError(f"{path} is not a valid run config: {exc}.") from exc
 
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
+from veoptim.checkpoint import ComponentState, SavedComponent, Staged
 from veoptim.content_hash import files_content_hash
 from veoptim.errors import CheckpointError
 from veoptim.state.model import copy_installer, module_inventory

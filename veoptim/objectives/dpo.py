@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from veoptim.checkpoint.component import StateComponent
+from veoptim.checkpoint import StateComponent
 from veoptim.data.fields import INPUT_IDS, LABELS
 from veoptim.data.pairs import PairDataset, collate_pairs
 from veoptim.errors import ConfigError

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from veoptim.checkpoint.component import StateComponent
+from veoptim.checkpoint import StateComponent
 from veoptim.data import IGNORE_INDEX, SFTDataset, collate
 from veoptim.data.fields import INPUT_IDS, LABELS
 from veoptim.data.packing import pack_row

@@ -40,7 +40,7 @@ from veoptim.optim.checks import (
     check_positive_int,
 )
 from veoptim.optim.dtensor_util import global_flat_offset, local, wrap_like
-from veoptim.optim.kernels.eager import DEFAULT_FUSED_CHUNK, Hyper, Scratch, UpdateBatch
+from veoptim.optim.kernels import DEFAULT_FUSED_CHUNK, Hyper, Scratch, UpdateBatch
 from veoptim.optim.offload import StagingBuffer, offload_update_
 from veoptim.optim.param_edits import EditFollowingMixin, Mark, log_rederived, mark_of
 from veoptim.optim.rounding import noise_key

@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from veoptim.distributed.device import Event, accelerator
-from veoptim.optim.kernels import Hyper, Kernel, UpdateBatch
-from veoptim.optim.kernels.eager import align_chunk
+from veoptim.optim.kernels import Hyper, Kernel, UpdateBatch, align_chunk
 
 _SLOT_ITEMSIZE = 4  # widest supported parameter/gradient dtype (FP32)
 

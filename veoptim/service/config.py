@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from veoptim.config.schema import opt
 from veoptim.errors import ConfigError
-from veoptim.slots.config import MultiLoRAConfig
+from veoptim.slots import MultiLoRAConfig
 
 #: serve.schedule: the orders of queued work across tenants (veoptim.service.engine).
 SCHEDULES = ("fair", "fifo")

@@ -31,11 +31,11 @@ import torch.distributed as dist
 from veoptim.data.fields import INPUT_IDS
 from veoptim.distributed.sizes import rank_slice
 from veoptim.service.errors import SERVER, ServiceError, describe
-from veoptim.slots import SlotTrainer
-from veoptim.slots.tokens import (
+from veoptim.slots import (
     Generation,
     SampledRow,
     SampleRow,
+    SlotTrainer,
     TokenPass,
     forward_tokens,
     optim_step_clipped,

@@ -40,7 +40,7 @@ from veoptim.service.ranks import ServedTrainer
 from veoptim.service.served import ServedModel
 from veoptim.service.slots import Slots
 from veoptim.service.wire import encode_sample_response
-from veoptim.slots.tokens import SampleRow
+from veoptim.slots import SampleRow
 
 log = logging.getLogger("veoptim.service")
 MAX_SAMPLES = 64

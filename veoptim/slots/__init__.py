@@ -1,5 +1,7 @@
 """Multi-LoRA slots: concurrent adapters on one frozen base, each with its own optimizer,
-checkpoints and exports (``SlotTrainer``; see ``docs/multi_lora.md``).
+checkpoints and exports (``SlotTrainer``; see ``docs/multi_lora.md``). This package is
+the door: no library module outside it imports one of its modules
+(``tests/test_import_rules.py``).
 
 The public surface, for the service, ``tasks/multi_lora.py`` and scripts: the trainer and
 its config, the store where slot checkpoints live, and the per-token passes and sampling
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
     from veoptim.slots.store import SlotStore
     from veoptim.slots.tokens import (
         TARGET_TOKENS,
+        Generation,
         SampledRow,
         SampleRow,
         TokenLoss,
@@ -37,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "TARGET_TOKENS": "tokens",
     "TokenLoss": "tokens",
     "TokenPass": "tokens",
+    "Generation": "tokens",
     "forward_tokens": "tokens",
     "optim_step_clipped": "tokens",
     "SampleRow": "tokens",
@@ -46,6 +50,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "SLOT_IDS",
+    "Generation",
     "TARGET_TOKENS",
     "MultiLoRAConfig",
     "SampleRow",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
+from veoptim.checkpoint import ComponentState, SavedComponent, Staged
 from veoptim.errors import CheckpointError
 from veoptim.lora.layer import AdapterSpec
 from veoptim.lora.state import BASE, check_base

@@ -19,13 +19,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.component import StateComponent, read_info
-from veoptim.checkpoint.disk import remove_root
-from veoptim.checkpoint.faults import FaultHook
-from veoptim.checkpoint.layout import published_names, validate_name
-from veoptim.checkpoint.publish import Published
-from veoptim.checkpoint.versions import is_within, newest_complete, resolve, resolve_path
+from veoptim.checkpoint import (
+    Checkpointer,
+    FaultHook,
+    Published,
+    StateComponent,
+    is_within,
+    newest_complete,
+    published_names,
+    read_info,
+    remove_root,
+    resolve,
+    resolve_path,
+    validate_name,
+)
 from veoptim.distributed.agreement import on_rank0
 from veoptim.errors import CheckpointError
 

@@ -22,8 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from veoptim.checkpoint.disk import collect_garbage, unpublish
-from veoptim.checkpoint.layout import validate_name
+from veoptim.checkpoint import collect_garbage, unpublish, validate_name
 from veoptim.config.launch import check_launch
 from veoptim.config.validate import validate_config
 from veoptim.data import IGNORE_INDEX, load_tokenizer, special_token_ids

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from veoptim.checkpoint.component import (
+from veoptim.checkpoint import (
     ComponentState,
     Inventory,
     SavedComponent,

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from veoptim.checkpoint.component import (
+from veoptim.checkpoint import (
     ComponentState,
     Inventory,
     SavedComponent,

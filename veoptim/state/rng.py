@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
+from veoptim.checkpoint import ComponentState, SavedComponent, Staged
 from veoptim.distributed.device import accelerator
 from veoptim.errors import CheckpointError
 

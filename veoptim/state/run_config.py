@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
+from veoptim.checkpoint import ComponentState, SavedComponent, Staged
 from veoptim.errors import CheckpointError
 
 #: Must match on a full (model + optimizer) resume.

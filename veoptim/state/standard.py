@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from veoptim.checkpoint.component import StateComponent
+from veoptim.checkpoint import StateComponent
 from veoptim.state import (
     CONFIG,
     LOSS_SCALE,

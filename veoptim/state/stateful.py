@@ -6,7 +6,7 @@ import copy
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from veoptim.checkpoint.component import ComponentState, SavedComponent, Staged
+from veoptim.checkpoint import ComponentState, SavedComponent, Staged
 from veoptim.errors import CheckpointError
 
 

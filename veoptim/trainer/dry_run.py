@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from veoptim.checkpoint.versions import latest_complete, resolve_agreed
+from veoptim.checkpoint import latest_complete, resolve_agreed
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import special_token_ids
 from veoptim.distributed import resolve_parallel_sizes

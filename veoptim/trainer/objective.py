@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from veoptim.checkpoint.component import StateComponent
+    from veoptim.checkpoint import StateComponent
 
 
 @dataclass

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from veoptim.arith import divisors
-from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.component import StateComponent
+from veoptim.checkpoint import Checkpointer, StateComponent
 from veoptim.config.launch import check_launch
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, load_tokenizer

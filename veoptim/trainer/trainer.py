@@ -22,9 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from veoptim.checkpoint import Published, Resolved, step_name
-from veoptim.checkpoint.checkpointer import Checkpointer
-from veoptim.checkpoint.component import StateComponent, check_component_name
+from veoptim.checkpoint import (
+    Checkpointer,
+    Published,
+    Resolved,
+    StateComponent,
+    check_component_name,
+    step_name,
+)
 from veoptim.config.schema import TrainerConfig
 from veoptim.data import GlobalBatchSampler, special_token_ids
 from veoptim.distributed import DistContext, ParallelPlan, build_parallel_plan

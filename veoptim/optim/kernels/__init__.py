@@ -29,7 +29,14 @@ import torch
 
 from veoptim.errors import ConfigError
 from veoptim.optim.kernels.compiled import compiled_update_, use_compiled
-from veoptim.optim.kernels.eager import Hyper, Scratch, UpdateBatch, adamw_update_
+from veoptim.optim.kernels.eager import (
+    DEFAULT_FUSED_CHUNK,
+    Hyper,
+    Scratch,
+    UpdateBatch,
+    adamw_update_,
+    align_chunk,
+)
 from veoptim.optim.kernels.native import NativeKernel, native_for
 
 KERNELS = ("auto", "eager", "compiled")
@@ -119,6 +126,7 @@ def select_host(
 
 
 __all__ = [
+    "DEFAULT_FUSED_CHUNK",
     "KERNELS",
     "CompiledKernel",
     "EagerKernel",
@@ -127,6 +135,7 @@ __all__ = [
     "NativeKernel",
     "Scratch",
     "UpdateBatch",
+    "align_chunk",
     "check_kernel",
     "select",
     "select_host",
