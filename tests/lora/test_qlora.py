@@ -26,8 +26,9 @@ from tests.lora.qlora_helpers import QLORA, from_path, nf4_layers, save_hf_base
 from veoptim.checkpoint.checkpointer import Checkpointer
 from veoptim.config.schema import ModelConfig
 from veoptim.errors import CheckpointError, ConfigError
-from veoptim.models import build_model
+from veoptim.models import build_model, quant
 from veoptim.models.quant import BLOCK_SIZE, quantize_model
+from veoptim.models.sharded_load import SafetensorsShards
 from veoptim.optim import MASTER_WEIGHT
 
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -58,8 +59,19 @@ def test_the_decoder_linears_hold_bitsandbytes_nf4_codes_and_the_lm_head_stays(h
     assert not any(k.endswith(DECODER_LINEARS) for k in model.state_dict())
 
 
-def test_quantizing_while_reading_equals_quantizing_the_loaded_model(hf_base):
+@pytest.mark.parametrize("chunk", [quant.QUANTIZE_CHUNK, 2 * BLOCK_SIZE])
+def test_quantizing_while_reading_equals_quantizing_the_loaded_model(hf_base, monkeypatch, chunk):
+    """Read and quantized a few rows at a time (the small chunk: two blocks of weights, so
+    every layer takes many reads), the codes are those of the whole loaded weight."""
+    monkeypatch.setattr(quant, "QUANTIZE_CHUNK", chunk)
+    reads = []
+    read_rows = SafetensorsShards.read_rows
+    monkeypatch.setattr(
+        SafetensorsShards, "read_rows", lambda self, *a: reads.append(a) or read_rows(self, *a)
+    )
     streamed = build_model(ModelConfig(path=str(hf_base), dtype="bf16", quant="nf4"), 0)
+    assert len(reads) > (len(nf4_layers(streamed)) if chunk == 2 * BLOCK_SIZE else 0)
+    assert all(stop - start <= max(1, chunk // 64) for _, start, stop in reads)
     loaded = AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.bfloat16)
     quantize_model(loaded, torch.bfloat16)
     assert_bitwise_equal(dict(streamed.state_dict()), dict(loaded.state_dict()))

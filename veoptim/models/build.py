@@ -196,7 +196,7 @@ def _load_quantized(cfg: ModelConfig, dtype: torch.dtype) -> PreTrainedModel | N
             if name in computed:
                 buffer.copy_(computed[name])
     shards.load_into(model)  # every tensor but the quantized weights
-    load_quantized(model, shards.read)
+    load_quantized(model, shards.read_rows)
     return model
 
 

@@ -4,8 +4,14 @@ Every ``nn.Linear`` of the decoder (not the LM head, not the embeddings) becomes
 :class:`NF4Linear`: its weight stored as bitsandbytes' NF4 codes (two per byte) with one
 FP32 scale per block of :data:`BLOCK_SIZE` weights, 4.5 bits per weight, dequantized into
 the model's dtype by bitsandbytes' native kernel (CPU or CUDA) in every forward and again
-in the backward (nothing of the full weight is kept between them). Adapters, their FP32
-masters and moments stay full precision: only frozen weights are quantized.
+in the backward (nothing of the full weight is kept between them). It is dequantized a
+slice at a time, about :data:`SLICE_WEIGHTS` weights each (rows of the weight in the
+forward, columns in the backward), so a layer never holds its whole full-precision
+weight: the transient memory of a step stays a few MB whatever the layer's size, and
+the allocator reuses it (whole-weight temporaries of up to tens of MB each made glibc's
+heap grow by hundreds of MB). Each output element is still one dot product over the
+whole reduction dimension, as in one matrix product. Adapters, their FP32 masters and
+moments stay full precision: only frozen weights are quantized.
 
 The codes and scales are non-persistent buffers, not parameters: no optimizer, state dict
 or adapter checkpoint sees them, and FSDP2 does not shard them (each rank holds the whole
@@ -38,6 +44,8 @@ SKIPPED = ("lm_head",)
 #: about 20 bytes of temporaries per weight, so a large layer is quantized in slices of
 #: this many weights (blocks are independent: the codes are those of one call).
 QUANTIZE_CHUNK = 1 << 18
+#: Weights dequantized at once in a forward or backward (2 MB in BF16).
+SLICE_WEIGHTS = 1 << 20
 
 
 def _bnb_functional():
@@ -68,18 +76,41 @@ def _quant_state(codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Size, d
     )
 
 
+def _dequantize(
+    codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """bitsandbytes' NF4 dequantization of ``codes`` (with one scale in ``absmax`` per
+    :data:`BLOCK_SIZE` weights) into a fresh ``shape`` tensor of ``dtype``."""
+    state = _quant_state(codes, absmax, shape, dtype)
+    return _bnb_functional().dequantize_4bit(codes.view(-1, 1), state)
+
+
 class _NF4Matmul(torch.autograd.Function):
-    """``x @ dequant(W).T``; the backward dequantizes again (no weight kept), and gives
-    the input's gradient only: the base is frozen."""
+    """``x @ dequant(W).T``, a slice of W's rows at a time; the backward dequantizes again
+    (no weight kept), a slice of W's columns at a time, and gives the input's gradient
+    only: the base is frozen."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: NF4Linear) -> torch.Tensor:  # type: ignore[override]
         ctx.layer = layer
-        return F.linear(x, layer.dequantized())
+        spans = layer.row_spans()
+        if len(spans) == 1:
+            return F.linear(x, layer.dequantized())
+        out = x.new_empty(*x.shape[:-1], layer.out_features)
+        for start, stop in spans:
+            out[..., start:stop] = F.linear(x, layer.dequantized_rows(start, stop))
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad @ ctx.layer.dequantized(), None
+        layer: NF4Linear = ctx.layer
+        spans = layer.column_spans()
+        if len(spans) == 1:
+            return grad @ layer.dequantized(), None
+        grad_x = grad.new_empty(*grad.shape[:-1], layer.in_features)
+        for start, stop in spans:
+            grad_x[..., start:stop] = grad @ layer.dequantized_columns(start, stop)
+        return grad_x, None
 
 
 class NF4Linear(nn.Module):
@@ -125,7 +156,28 @@ class NF4Linear(nn.Module):
                 f"an NF4 layer of shape {tuple(self.shape)} was given a weight of shape "
                 f"{tuple(weight.shape)}."
             )
-        flat = weight.detach().reshape(-1)
+        self._quantize_flat(0, weight.detach().reshape(-1))
+
+    @torch.no_grad()
+    def quantize_rows_(self, start: int, rows: torch.Tensor) -> None:
+        """Store ``rows`` as rows ``start:start + len(rows)`` of the weight (whole blocks:
+        the layer is sliceable, :meth:`row_spans`); the codes are those that quantizing the
+        whole weight gives, since blocks are independent."""
+        stop = start + rows.shape[0]
+        if rows.shape[1:] != (self.in_features,) or not (0 <= start < stop <= self.out_features):
+            raise ConfigError(
+                f"an NF4 layer of shape {tuple(self.shape)} was given rows {start}:{stop} of "
+                f"shape {tuple(rows.shape)}."
+            )
+        if not self._sliceable():
+            raise ConfigError(
+                f"an NF4 layer of {self.in_features} columns has blocks of {BLOCK_SIZE} "
+                "weights that straddle rows: it is quantized whole, not by rows."
+            )
+        self._quantize_flat(start * self.in_features, rows.detach().reshape(-1))
+
+    def _quantize_flat(self, offset: int, flat: torch.Tensor) -> None:
+        """Quantize ``flat``, the weights from flat position ``offset`` (a whole block)."""
         bnb = _bnb_functional()
         for start in range(0, flat.numel(), QUANTIZE_CHUNK):
             part = flat[start : start + QUANTIZE_CHUNK]
@@ -133,15 +185,51 @@ class NF4Linear(nn.Module):
             codes, state = bnb.quantize_4bit(
                 source, blocksize=BLOCK_SIZE, compress_statistics=False, quant_type=NF4
             )
-            self.nf4_codes[start // 2 : (start + part.numel()) // 2].copy_(codes.view(-1))
-            blocks = slice(start // BLOCK_SIZE, (start + part.numel()) // BLOCK_SIZE)
+            first = offset + start
+            self.nf4_codes[first // 2 : (first + part.numel()) // 2].copy_(codes.view(-1))
+            blocks = slice(first // BLOCK_SIZE, (first + part.numel()) // BLOCK_SIZE)
             self.nf4_absmax[blocks].copy_(state.absmax)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the forward uses it: NF4 codes times their block scale, in
         ``compute_dtype`` (a fresh tensor each call)."""
-        state = _quant_state(self.nf4_codes, self.nf4_absmax, self.shape, self.compute_dtype)
-        return _bnb_functional().dequantize_4bit(self.nf4_codes.view(-1, 1), state)
+        return _dequantize(self.nf4_codes, self.nf4_absmax, self.shape, self.compute_dtype)
+
+    def _sliceable(self) -> bool:
+        """Whether no block of :data:`BLOCK_SIZE` weights straddles two rows, so that a
+        range of rows or of (block-aligned) columns has codes and scales of its own."""
+        return self.in_features % BLOCK_SIZE == 0
+
+    def row_spans(self) -> list[tuple[int, int]]:
+        """Ranges of rows dequantized together in the forward (one range: the whole weight)."""
+        if not self._sliceable():
+            return [(0, self.out_features)]
+        rows = max(1, SLICE_WEIGHTS // self.in_features)
+        return [(a, min(a + rows, self.out_features)) for a in range(0, self.out_features, rows)]
+
+    def column_spans(self) -> list[tuple[int, int]]:
+        """Ranges of columns (whole blocks) dequantized together in the backward."""
+        if not self._sliceable():
+            return [(0, self.in_features)]
+        cols = max(BLOCK_SIZE, SLICE_WEIGHTS // self.out_features // BLOCK_SIZE * BLOCK_SIZE)
+        return [(a, min(a + cols, self.in_features)) for a in range(0, self.in_features, cols)]
+
+    def dequantized_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of :meth:`dequantized`, from their own codes and scales."""
+        per_row = self.in_features
+        codes = self.nf4_codes[start * per_row // 2 : stop * per_row // 2]
+        absmax = self.nf4_absmax[start * per_row // BLOCK_SIZE : stop * per_row // BLOCK_SIZE]
+        shape = torch.Size((stop - start, self.in_features))
+        return _dequantize(codes, absmax, shape, self.compute_dtype)
+
+    def dequantized_columns(self, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start:stop`` (multiples of :data:`BLOCK_SIZE`, or the end) of
+        :meth:`dequantized`, from a copy of their codes and scales (a few KB per slice)."""
+        rows = self.out_features
+        codes = self.nf4_codes.view(rows, -1)[:, start // 2 : stop // 2].contiguous()
+        absmax = self.nf4_absmax.view(rows, -1)[:, start // BLOCK_SIZE : stop // BLOCK_SIZE]
+        shape = torch.Size((rows, stop - start))
+        return _dequantize(codes.view(-1), absmax.contiguous().view(-1), shape, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _NF4Matmul.apply(x.to(self.compute_dtype), self)
@@ -202,10 +290,23 @@ def quantize_model(model: nn.Module, dtype: torch.dtype) -> list[str]:
     return replace_linears(model, dtype, fill)
 
 
-def load_quantized(model: nn.Module, read: Callable[[str], torch.Tensor]) -> list[str]:
+def load_quantized(
+    model: nn.Module, read_rows: Callable[[str, int, int], torch.Tensor]
+) -> list[str]:
     """Quantize every :class:`NF4Linear` of ``model`` (materialised on the host) from
-    ``read(key)``, the full tensor stored under ``key``, one weight at a time."""
+    ``read_rows(key, start, stop)``, rows ``start:stop`` of the tensor stored under
+    ``key``, about :data:`QUANTIZE_CHUNK` weights at a time: no full-precision weight is
+    ever whole in memory (whole-weight reads of tens of MB each, freed between long-lived
+    codes, grew glibc's heap by a few hundred MB on a 0.5B model)."""
     names = [name for name, m in model.named_modules() if isinstance(m, NF4Linear)]
     for name in names:
-        model.get_submodule(name).quantize_(read(f"{name}.weight"))
+        layer: NF4Linear = model.get_submodule(name)
+        key = f"{name}.weight"
+        if not layer._sliceable():
+            layer.quantize_(read_rows(key, 0, layer.out_features))
+            continue
+        rows = max(1, QUANTIZE_CHUNK // layer.in_features)
+        for start in range(0, layer.out_features, rows):
+            stop = min(start + rows, layer.out_features)
+            layer.quantize_rows_(start, read_rows(key, start, stop))
     return names

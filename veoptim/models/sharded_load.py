@@ -135,11 +135,12 @@ class SafetensorsShards:
             return cls(path, dict.fromkeys(SafetensorsFile(single).entries, single))
         return None
 
-    def read(self, key: str) -> torch.Tensor:
-        """The whole tensor stored under ``key``, in its stored dtype."""
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the tensor stored under ``key``, in its stored dtype."""
         file = self.header(key)
+        index = (slice(start, stop), *(slice(0, n) for n in file.shape(key)[1:]))
         with open(self.files[key], "rb") as handle:
-            return file.read(handle, key, tuple(slice(0, n) for n in file.shape(key)))
+            return file.read(handle, key, index)
 
     def missing(self, model: nn.Module) -> list[str]:
         """Keys of ``model``'s state dict the files cannot fill: stored under no name (a
