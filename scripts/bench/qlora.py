@@ -16,11 +16,12 @@ fresh process with ``tasks.sft`` (``model=hf_local``, LoRA on every projection,
 Prints one JSON object with the medians over ``--repeats`` rounds and the ratios
 QLoRA / BF16 (goal on CPU: peak RSS <= 0.5x, step time <= 1.5x). The interpreter with
 torch, transformers and bitsandbytes and a step's activations are the same for both and
-do not shrink: the smaller the model, the closer the ratio is to 1. docs/benchmarks.md
-runs the 136M default and a 0.5B model with activation checkpointing:
+do not shrink, nor do the adapters' FP32 masters and moments: the smaller the model, the
+closer the ratio is to 1. docs/benchmarks.md runs the 136M default and 0.5B and 1.1B
+models with activation checkpointing (``--layers 12`` and ``--layers 24``):
 
     .venv/bin/python scripts/bench/qlora.py [--repeats 3] [--steps 8] [--device cpu]
-    .venv/bin/python scripts/bench/qlora.py --hidden 2048 --intermediate 5632 --layers 12 \
+    .venv/bin/python scripts/bench/qlora.py --hidden 2048 --intermediate 5632 --layers 24 \
         --seq 128 --batch 1 --activation-checkpointing
 """
 
@@ -130,8 +131,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--mmap-threshold", type=int, default=0,
-        help="MALLOC_MMAP_THRESHOLD_ of both runs (bytes; 0: glibc's dynamic default, which "
-        "keeps freed dequantized weights in the heap)",
+        help="MALLOC_MMAP_THRESHOLD_ of both runs (bytes; 0: glibc's dynamic default)",
     )  # fmt: skip
     parser.add_argument("--child", default="")
     args = parser.parse_args()
