@@ -11,7 +11,8 @@ scheduler drives TRL's fused ``torch.optim.AdamW`` too).
 That the two compute the same thing is checked, not assumed: a verification run in FP32
 (``model.dtype=fp32``, ``optim=adamw``: torch's fused AdamW on both sides) compares the
 first ``--verify-steps`` losses (relative difference <= 1e-5) and the LRs; the JSON says
-``verified`` and the script exits 3 when they disagree. Then alternating pairs, each run a
+``verified`` and the script exits 3 when they disagree. ``--control`` adds a negative
+control: TRL once more without the clip, which the comparison must reject (else exit 3). Then alternating pairs, each run a
 fresh process (its own peak RSS, ``VmHWM``), on the bundled tiny model and on a Qwen2 of
 26 M parameters built on the fly. The BF16 matmul peak (a 2048^3 product, same threads) is
 measured before and after the pairs; a run's share of it is
@@ -306,11 +307,22 @@ def relative_diffs(a: list[float], b: list[float]) -> list[float]:
     return [abs(x - y) / max(abs(x), abs(y), 1e-30) for x, y in zip(a, b, strict=True)]
 
 
-def verify(base: dict[str, Any], steps: int, trl_clip: bool) -> dict[str, Any]:
-    """FP32 runs of both sides: the first ``steps`` losses, the LRs and the initial weights."""
+def verify(base: dict[str, Any], steps: int, control: bool) -> dict[str, Any]:
+    """FP32 runs of both sides: the first ``steps`` losses, the LRs and the initial weights.
+
+    With ``control``, TRL also runs once without the gradient clip, from the same weights
+    and LRs: a negative control that the comparison must reject (``control.verified`` is
+    false), which shows the verification can fail."""
     spec = {**base, "dtype": "fp32", "warmup": 0, "steps": steps, "hash": True}
     ours = run_child({**spec, "variant": "veoptim_eager"})
-    peer = run_child({**spec, "variant": "trl", "trl_clip": trl_clip})
+    check = compare(ours, run_child({**spec, "variant": "trl", "trl_clip": True}))
+    if control:
+        check["control"] = compare(ours, run_child({**spec, "variant": "trl", "trl_clip": False}))
+    return check
+
+
+def compare(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """Whether two FP32 runs trained the same thing, and the figures that say so."""
     diffs = relative_diffs(ours["losses"], peer["losses"])
     checks = {
         "losses_agree": max(diffs) <= LOSS_RTOL,
@@ -326,6 +338,11 @@ def verify(base: dict[str, Any], steps: int, trl_clip: bool) -> dict[str, Any]:
         "losses": {"veoptim": ours["losses"], "trl": peer["losses"]},
         "lrs": {"veoptim": ours["lrs"], "trl": peer["lrs"]},
     }
+
+
+def verification_failed(check: dict[str, Any]) -> bool:
+    """The comparison rejected the real pair, or (with a control) accepted the control."""
+    return not check["verified"] or check.get("control", {}).get("verified", False)
 
 
 def spread(values: list[float]) -> dict[str, Any]:
@@ -381,8 +398,11 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    # a negative control of the verification: TRL without the gradient clip
-    parser.add_argument("--trl-no-clip", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also verify TRL without the gradient clip, which the check must reject",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 pair of 2 steps")
     parser.add_argument("--out", default="")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -434,8 +454,8 @@ def main() -> None:
                 "steps": args.steps,
                 "trl_clip": True,
             }
-            check = verify(base, args.verify_steps, trl_clip=not args.trl_no_clip)
-            failed |= not check["verified"]
+            check = verify(base, args.verify_steps, control=args.control)
+            failed |= verification_failed(check)
             report["models"][name] = {"verify_fp32": check}
             if args.pairs:
                 report["models"][name].update(pairs(base, variants, args.pairs))

@@ -10,27 +10,29 @@ from pathlib import Path
 
 import pytest
 
+from scripts.bench.peer_trl import VERIFY_FAILED_EXIT, verification_failed
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "scripts/bench/peer_trl.py"
 
 
-def run_bench(tmp_path: Path, *extra: str) -> tuple[int, dict]:
+def test_smoke_run_verifies_loss_agreement_rejects_its_control_and_reports_ratios(tmp_path):
     out = tmp_path / "peer.json"
-    cmd = [sys.executable, SCRIPT, "--smoke", "--out", str(out), *extra]
+    cmd = [sys.executable, SCRIPT, "--smoke", "--control", "--out", str(out),
+           "--variants", "veoptim_eager,veoptim,trl"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.is_file(), proc.stderr[-3000:]
-    return proc.returncode, json.loads(out.read_text())
-
-
-def test_smoke_run_verifies_loss_agreement_and_reports_ratios(tmp_path):
-    rc, report = run_bench(tmp_path, "--variants", "veoptim_eager,veoptim,trl")
-    tiny = report["models"]["tiny"]
+    tiny = json.loads(out.read_text())["models"]["tiny"]
     check = tiny["verify_fp32"]
-    assert rc == 0 and check["verified"]
+    assert proc.returncode == 0 and check["verified"]
     assert check["initial_weights_equal"] and check["lrs_equal"] and check["tokens_equal"]
     assert len(check["losses"]["veoptim"]) == 5 and check["max_rel_loss_diff"] <= 1e-5
+    # negative control: TRL without the gradient clip takes other steps from the same LRs
+    control = check["control"]
+    assert not control["verified"] and not control["losses_agree"]
+    assert control["lrs_equal"] and control["initial_weights_equal"]
     assert set(tiny["runs"]) == {"veoptim_eager", "veoptim", "trl"}
     assert set(tiny["vs_trl"]) == {"veoptim_eager/trl", "veoptim/trl"}
     ratio = tiny["vs_trl"]["veoptim/trl"]
@@ -38,9 +40,10 @@ def test_smoke_run_verifies_loss_agreement_and_reports_ratios(tmp_path):
     assert 0 < tiny["runs"]["trl"]["bf16_peak_fraction"]["median"] < 1
 
 
-def test_verification_fails_when_trl_trains_differently(tmp_path):
-    # negative control: TRL without the gradient clip takes other steps from the same LRs
-    rc, report = run_bench(tmp_path, "--pairs", "0", "--trl-no-clip")
-    check = report["models"]["tiny"]["verify_fp32"]
-    assert rc == 3 and not check["verified"]
-    assert check["lrs_equal"] and check["initial_weights_equal"] and not check["losses_agree"]
+def test_a_rejected_pair_or_an_accepted_control_fails_the_run():
+    assert VERIFY_FAILED_EXIT == 3
+    assert not verification_failed({"verified": True})
+    assert not verification_failed({"verified": True, "control": {"verified": False}})
+    assert verification_failed({"verified": False})
+    assert verification_failed({"verified": False, "control": {"verified": False}})
+    assert verification_failed({"verified": True, "control": {"verified": True}})
