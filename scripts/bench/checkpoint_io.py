@@ -23,10 +23,13 @@ GB/s figures are best-of-repeats (1 GB = 1e9 bytes); the first load into the fre
 process is reported apart, against a raw read made just before it in the same process
 (this VM's disk reads at one of two speeds, ~0.8 or ~2.3 GB/s, from one read to the
 next); ``--fresh-loads N`` starts N resume processes per format and reports the median of
-their first loads' ratios and each one; ``repeat_load_rss_ratio`` is the resume process's
-peak after the later loads, which go into a trainer that already holds the state and so
-stage a second full copy of it (a load that fails while reading leaves the live state as
-it was). Prints one JSON line. Targets: ``resume_rss_ratio <= 1.05``;
+their first loads' ratios and each one. Each resume process starts with none of the
+benchmark's files cached, and the raw file's pages are dropped again after each raw read,
+so that a load does not first have to reclaim gigabytes of another file's cache (the MB
+the kernel reclaimed during each first load are in the JSON). ``repeat_load_rss_ratio``
+is the resume process's peak after the later loads, which go into a trainer that already
+holds the state and so stage a second full copy of it (a load that fails while reading
+leaves the live state as it was). Prints one JSON line. Targets: ``resume_rss_ratio <= 1.05``;
 save/load vs raw I/O and publication overhead are reported, with no bar to meet.
 On a CPU shared with other jobs, ``--threads 1`` avoids OpenMP stalls in copies.
 
@@ -104,6 +107,28 @@ def peak_rss_mb() -> float:
 def current_rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def reclaimed_mb() -> float:
+    """Page-cache and anonymous pages the kernel has reclaimed so far (``/proc/vmstat``), MB:
+    a load that must first free memory for its staging shows up here."""
+    try:
+        lines = Path("/proc/vmstat").read_text().split("\n")
+    except OSError:
+        return 0.0
+    stolen = sum(int(line.split()[1]) for line in lines if line.startswith("pgsteal_"))
+    return stolen * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def cached_mb() -> float:
+    """The page cache's size (``Cached`` of ``/proc/meminfo``), MB."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def evict(path: Path) -> None:
@@ -269,22 +294,28 @@ def role_resume(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any
     def timed_load() -> dict[str, float]:
         evict(version)
         clock.marks.clear()
+        cached, reclaimed = cached_mb(), reclaimed_mb()
         start = time.perf_counter()
         trainer.load_checkpoint(name)
-        return load_breakdown(clock, start, time.perf_counter())
+        parts = load_breakdown(clock, start, time.perf_counter())
+        return {**parts, "page_cache_before_mb": cached, "reclaimed_mb": reclaimed_mb() - reclaimed}
+
+    def timed_raw_read() -> tuple[float, int]:
+        evict(work / RAW_FILE)
+        seconds, nbytes = raw_read(work / RAW_FILE)
+        evict(work / RAW_FILE)  # the load next to it starts with as much free memory
+        return seconds, nbytes
 
     # the resume: first load into a fresh process, right after a raw read of its own (the
     # disk's speed drifts within minutes: each first load is compared with its neighbour)
-    evict(work / RAW_FILE)
-    first_raw_s, read_bytes = raw_read(work / RAW_FILE)
+    first_raw_s, read_bytes = timed_raw_read()
     loads = [timed_load()]
     resume_peak = peak_rss_mb()
     after_load_rss = current_rss_mb()
     step = trainer.progress.global_step
     raws = []
     for _ in range(args.repeats if args.later_loads is None else args.later_loads):
-        evict(work / RAW_FILE)
-        seconds, read_bytes = raw_read(work / RAW_FILE)
+        seconds, read_bytes = timed_raw_read()
         raws.append(seconds)
         loads.append(timed_load())
     warm_raw, _ = raw_read(work / RAW_FILE)  # the file is now cached: shows what eviction buys
@@ -324,6 +355,14 @@ def run_role(
     if done.returncode != 0:
         raise RuntimeError(f"{role} subprocess failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def resume(args: argparse.Namespace, workdir: Path, fmt: str, later_loads: int | None) -> dict:
+    """One resume process, started with none of the benchmark's files in the page cache (as
+    a resume on another node or after a reboot): the saves and raw writes before it leave
+    gigabytes of clean cache that its loads would otherwise have to reclaim first."""
+    evict(workdir)
+    return run_role("resume", args, workdir, [fmt], later_loads=later_loads)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -370,6 +409,11 @@ def summarize_format(fmt: str, train: dict, resumes: list[dict], raw_write_s: fl
         "first_load_vs_raw_read": round(median(first_ratios), 3),
         "first_load_vs_raw_read_each": first_ratios,
         "first_load_raw_read_GBps_each": [gbps(raw_bytes, r["first_raw_read_s"]) for r in resumes],
+        # memory the kernel reclaimed during each first load, and the page cache before it
+        "first_load_reclaimed_mb_each": [round(r["loads"][0]["reclaimed_mb"]) for r in resumes],
+        "first_load_page_cache_before_mb_each": [
+            round(r["loads"][0]["page_cache_before_mb"]) for r in resumes
+        ],
         "save_s_each": [round(s["total_s"], 4) for s in saves],
         "load_s_each": [round(s["total_s"], 4) for s in loads],
         "raw_read_s_each": [round(x, 4) for x in resume["raw_read_s"]],
@@ -458,7 +502,7 @@ def main() -> None:
         # Fresh processes per format: each first load is a real resume. Every process after
         # the first only needs its first load, so it makes no later loads.
         resumes = {
-            fmt: [run_role("resume", args, workdir, [fmt], later_loads=None if i == 0 else 0)
+            fmt: [resume(args, workdir, fmt, later_loads=None if i == 0 else 0)
                   for i in range(max(1, args.fresh_loads))]
             for fmt in args.formats
         }  # fmt: skip

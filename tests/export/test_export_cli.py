@@ -167,21 +167,29 @@ def _peak_rss_bytes(args: list[str]) -> int:
     return usage.ru_maxrss * 1024  # KiB on Linux
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_peak_memory_is_about_one_full_model(tmp_path, dtype):
-    """A ~145 MB (fp32) model: the export's peak RSS exceeds a tiny model's export by about
-    one model (the DCP read; casts replace sources tensor by tensor), far from two."""
+@pytest.fixture(scope="module")
+def peak_memory_checkpoints(tmp_path_factory) -> tuple[Path, Path, int]:
+    """A ~145 MB (fp32) model's checkpoint, a tiny one's, and the big model's bytes."""
+    tmp = tmp_path_factory.mktemp("peak_memory")
     big = ["model.dtype=fp32", "model.hidden_size=768", "model.intermediate_size=3072",
            "model.num_hidden_layers=4", "checkpoint.save_optimizer=false"]  # fmt: skip
-    trainer = build_trainer(tmp_path / "big_run", big)
+    trainer = build_trainer(tmp / "big_run", big)
     model_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    save_with(Checkpointer(tmp_path / "big", fsync=False), trainer, "big")
+    save_with(Checkpointer(tmp / "big", fsync=False), trainer, "big")
     del trainer
-    _, tiny = _trained_checkpoint(tmp_path, ["checkpoint.save_optimizer=false"])
+    _, tiny = _trained_checkpoint(tmp, ["checkpoint.save_optimizer=false"])
+    return tmp / "big" / "big", tiny, model_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_peak_memory_is_about_one_full_model(tmp_path, peak_memory_checkpoints, dtype):
+    """The export's peak RSS exceeds a tiny model's export by about one model (the DCP
+    read; casts replace sources tensor by tensor), far from two."""
+    big, tiny, model_bytes = peak_memory_checkpoints
     common = ["--out", str(tmp_path / "o"), "--dtype", dtype, "--no-fsync"]
     baseline = _peak_rss_bytes([str(tiny), *common, "--name", "tiny"])
-    peak = _peak_rss_bytes([str(tmp_path / "big" / "big"), *common, "--name", "big"])
+    peak = _peak_rss_bytes([str(big), *common, "--name", "big"])
     extra = peak - baseline
     assert model_bytes > 120e6
     assert extra < 1.4 * model_bytes, (extra / model_bytes, model_bytes)

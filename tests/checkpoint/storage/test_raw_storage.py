@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import threading
 import warnings
 from pathlib import Path
 
@@ -168,3 +169,30 @@ def test_a_malformed_index_entry_is_refused(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match="malformed raw index entry"):
         read_dcp_metadata(tmp_path)
+
+
+def test_pages_are_populated_ahead_of_the_reads_by_their_own_thread(tmp_path, monkeypatch):
+    """A file of many scatter reads: the first read's destinations are populated before it,
+    the rest from the populating thread while the reads go on, and the load is bitwise."""
+    from veoptim.checkpoint.storage import raw_reader
+    from veoptim.checkpoint.storage.prefault import MIN_BYTES
+
+    calls: list[tuple[str, int]] = []
+    real = raw_reader.prefault
+
+    def spy(tensors) -> None:
+        tensors = list(tensors)
+        calls.append((threading.current_thread().name, len(tensors)))
+        real(tensors)
+
+    monkeypatch.setattr(raw_reader, "prefault", spy)
+    monkeypatch.setattr(raw_reader, "READ_STREAMS", 1)
+    rows = raw_reader.MAX_READ_BYTES // 4 // 1000 + 1  # each tensor is a scatter read alone
+    state = {f"w{k}": _sample(torch.float32, (rows, 1000), k) for k in range(4)}
+    assert all(v.numel() * 4 >= MIN_BYTES for v in state.values())
+    _save(state, tmp_path, threads=1)
+    loaded = _load(tmp_path, state)
+    assert all(_bytes(loaded[k]) == _bytes(v) for k, v in state.items())
+    first, ahead = calls
+    assert first == (threading.current_thread().name, 1)
+    assert ahead[0].startswith("veoptim-prefault") and ahead[1] == 3

@@ -144,24 +144,32 @@ def _split(steps: list[Step], parts: int) -> list[list[Step]]:
 
 def _execute(path: Path, steps: list[Step], planner: LoadPlanner) -> None:
     """Read ``steps`` (consecutive ranges of one file) in order. The disk is told to read
-    the whole range ahead, then the destinations' pages are populated (``prefault.py``)
-    while it does."""
+    the whole range ahead; the destinations' pages are populated (``prefault.py``) by a
+    thread of their own that keeps ahead of the reads, the first run's before any read."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
             first, last = _span(steps[0])[0], _span(steps[-1])[1]
             os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_SEQUENTIAL)
             os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
-        prefault(t for step in steps if isinstance(step, _Run) for _, t in step.done)
-        for step in steps:
-            if isinstance(step, _Run):
-                read_exactly(fd, step.views, step.start, path)
-                for req, target in step.done:
-                    planner.commit_tensor(req, target)
-            else:
-                _read_via_buffer(fd, path, *step, planner)
+        targets = [[t for _, t in step.done] for step in steps if isinstance(step, _Run)]
+        prefault(targets[0] if targets else [])
+        with ThreadPoolExecutor(1, thread_name_prefix="veoptim-prefault") as ahead:
+            populating = ahead.submit(prefault, [t for ts in targets[1:] for t in ts])
+            _read_steps(fd, path, steps, planner)
+            populating.result()
     finally:
         os.close(fd)
+
+
+def _read_steps(fd: int, path: Path, steps: list[Step], planner: LoadPlanner) -> None:
+    for step in steps:
+        if isinstance(step, _Run):
+            read_exactly(fd, step.views, step.start, path)
+            for req, target in step.done:
+                planner.commit_tensor(req, target)
+        else:
+            _read_via_buffer(fd, path, *step, planner)
 
 
 def _full(run: _Run, more: int) -> bool:
