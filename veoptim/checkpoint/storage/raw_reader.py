@@ -154,6 +154,9 @@ def _execute(path: Path, steps: list[Step], planner: LoadPlanner) -> None:
             os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
         targets = [[t for _, t in step.done] for step in steps if isinstance(step, _Run)]
         prefault(targets[0] if targets else [])
+        if len(targets) < 2:  # nothing to populate ahead: no thread
+            _read_steps(fd, path, steps, planner)
+            return
         with ThreadPoolExecutor(1, thread_name_prefix="veoptim-prefault") as ahead:
             populating = ahead.submit(prefault, [t for ts in targets[1:] for t in ts])
             _read_steps(fd, path, steps, planner)
